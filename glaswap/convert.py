@@ -1,0 +1,213 @@
+"""`glaswap convert`: a Llama-family checkpoint in, a GLA model folder out.
+
+The source's tensors are streamed shard by shard into output shards (never two copies of
+the weights in memory), the new gate and feature-map tensors are added per layer, and the
+folder gets a config with `auto_map`, the modeling code, the tokenizer and `glaswap.json`.
+Everything is written to a temporary folder that becomes OUT only at the end.
+"""
+
+from __future__ import annotations
+
+import json
+import platform
+import shutil
+import time
+from pathlib import Path
+
+import torch
+
+import glaswap
+from glaswap.checkpoint import AUTO_MAP, FolderTensors, GGUFTensors, ShardWriter, output_folder, parse_size, \
+    write_model_code
+from glaswap.errors import GlaswapError
+from glaswap.layers.gla_attention import GLAAttention
+from glaswap.models.configuration_glaswap import GLA_OPTIONS, GLASwapConfig, check_gla_options
+from glaswap.models.modeling_glaswap import GLASwapForCausalLM
+from glaswap.sources import Source, resolve_source
+
+SUPPORTED = ("llama", "mistral", "qwen2", "qwen3")
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
+                   "vocab.json", "merges.txt", "added_tokens.json", "chat_template.jinja", "chat_template.json",
+                   "generation_config.json")
+
+
+def glaswap_config(src: dict, options: dict | None = None) -> GLASwapConfig:
+    """The GLA model config for a teacher config (a config.json dict) and GLA options."""
+    model_type = src.get("model_type")
+    if model_type not in SUPPORTED:
+        raise GlaswapError(f"unsupported architecture {model_type!r}; glaswap converts "
+                           f"{', '.join(SUPPORTED)} checkpoints")
+    options = dict(options or {})
+    try:
+        check_gla_options(options)
+    except ValueError as e:
+        raise GlaswapError(str(e))
+    heads = src["num_attention_heads"]
+    head_dim = src.get("head_dim") or src["hidden_size"] // heads
+    rope = src.get("rope_parameters") or dict(src.get("rope_scaling") or {})
+    rope.setdefault("rope_theta", src.get("rope_theta", 10000.0))
+    rope.setdefault("rope_type", rope.pop("type", "default"))
+    if rope["rope_type"] == "dynamic":
+        raise GlaswapError("dynamic RoPE scaling is not supported; convert a checkpoint with default, "
+                           "linear, llama3 or yarn RoPE")
+    attention_bias = bool(src.get("attention_bias", False))
+    if model_type == "qwen2":
+        qkv_bias, o_bias = True, False
+    else:
+        qkv_bias = o_bias = attention_bias
+    sliding = None
+    if model_type == "mistral":
+        sliding = src.get("sliding_window")
+    elif src.get("use_sliding_window"):
+        raise GlaswapError(f"{model_type} with use_sliding_window is not supported; convert a checkpoint "
+                           f"with full attention")
+    return GLASwapConfig(
+        vocab_size=src["vocab_size"], hidden_size=src["hidden_size"],
+        intermediate_size=src["intermediate_size"], num_hidden_layers=src["num_hidden_layers"],
+        num_attention_heads=heads, num_key_value_heads=src.get("num_key_value_heads") or heads,
+        head_dim=head_dim, hidden_act=src.get("hidden_act", "silu"),
+        max_position_embeddings=src.get("max_position_embeddings", 4096),
+        initializer_range=src.get("initializer_range", 0.02), rms_norm_eps=src.get("rms_norm_eps", 1e-6),
+        rope_parameters=rope, qkv_bias=qkv_bias, o_bias=o_bias, mlp_bias=bool(src.get("mlp_bias", False)),
+        qk_norm=model_type == "qwen3", sliding_window=sliding,
+        tie_word_embeddings=bool(src.get("tie_word_embeddings", False)),
+        pad_token_id=src.get("pad_token_id"), bos_token_id=src.get("bos_token_id"),
+        eos_token_id=src.get("eos_token_id"), source_model_type=model_type, **options)
+
+
+def new_layer_tensors(config: GLASwapConfig, layer_idx: int, seed: int) -> dict[str, torch.Tensor]:
+    """Initial values of the parameters conversion adds to one layer (seeded per layer)."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed * 100003 + layer_idx)
+        layer = GLAAttention(config, layer_idx)
+    prefix = f"model.layers.{layer_idx}.self_attn."
+    return {prefix + n: p.detach() for n, p in layer.named_parameters() if n in layer.new_parameter_names()}
+
+
+def expected_keys(config: GLASwapConfig) -> tuple[set[str], set[str]]:
+    """(teacher tensors the model needs, tensors conversion adds), from a model on the meta device."""
+    with torch.device("meta"):
+        model = GLASwapForCausalLM(config)
+    keys = set(model.state_dict())
+    if config.tie_word_embeddings:
+        keys.discard("lm_head.weight")
+    new = set(model.new_parameter_names())
+    return keys - new, new
+
+
+def _out_dtype(requested: str, src: Source, src_config: dict):
+    if requested != "auto":
+        if requested not in DTYPES:
+            raise GlaswapError(f"invalid dtype {requested!r}; choose auto, {', '.join(DTYPES)}")
+        return DTYPES[requested]
+    if src.kind == "gguf":
+        return torch.bfloat16  # dequantised GGUF weights fit bf16; fp32 would double the folder
+    name = src_config.get("dtype") or src_config.get("torch_dtype")
+    return DTYPES.get(name)  # None: keep each tensor's stored dtype
+
+
+def versions() -> dict:
+    out = {"glaswap": glaswap.__version__, "python": platform.python_version(), "torch": torch.__version__}
+    for pkg in ("transformers", "triton", "safetensors", "peft"):
+        try:
+            out[pkg] = __import__(pkg).__version__
+        except Exception:
+            out[pkg] = None
+    return out
+
+
+def convert(source: str, out, *, options: dict | None = None, force: bool = False, dtype: str = "auto",
+            max_shard_size="2GB", report: bool = True, seed: int = 0, log=print) -> dict:
+    """Convert SOURCE into a GLA model folder OUT; returns what was written to glaswap.json."""
+    out = Path(out)
+    options = dict(options or {})
+    try:
+        check_gla_options(options)
+    except ValueError as e:
+        raise GlaswapError(str(e))
+    if out.exists() and not force:
+        raise GlaswapError(f"{out} already exists; choose another output folder or pass --force to replace it")
+    max_bytes = parse_size(max_shard_size)
+    src = resolve_source(source)
+    if src.kind == "folder" and out.resolve() == src.path.resolve():
+        raise GlaswapError("OUT is the source folder; glaswap never modifies the source, choose another folder")
+
+    started = time.time()
+    tensors = GGUFTensors(src.path) if src.kind == "gguf" else FolderTensors(src.path)
+    src_config = tensors.config if src.kind == "gguf" else src.config
+    config = glaswap_config(src_config, options)
+    out_dtype = _out_dtype(dtype, src, src_config)
+    needed, new = expected_keys(config)
+    log(f"converting {src.spec} ({config.source_model_type}, {config.num_hidden_layers} layers, "
+        f"{config.num_attention_heads} heads / {config.num_key_value_heads} KV heads, head dim {config.head_dim})")
+
+    with output_folder(out, force=force) as tmp:
+        writer = ShardWriter(tmp, max_bytes)
+        seen, stored_dtype = set(), None
+        for name, tensor in tensors:
+            if name.endswith("rotary_emb.inv_freq") or (config.tie_word_embeddings and name == "lm_head.weight"):
+                continue
+            if name not in needed:
+                raise GlaswapError(f"the source has a tensor glaswap does not expect ({name}); this "
+                                   f"{config.source_model_type} variant is not supported")
+            writer.add(name, tensor.to(out_dtype) if out_dtype is not None else tensor)
+            seen.add(name)
+            stored_dtype = stored_dtype or tensor.dtype
+        missing = sorted(needed - seen)
+        if missing:
+            raise GlaswapError(f"the source checkpoint lacks {missing[0]} ({len(missing)} tensors missing); "
+                               f"download the complete checkpoint")
+        new_dtype = out_dtype or stored_dtype
+        for i in range(config.num_hidden_layers):
+            for name, tensor in new_layer_tensors(config, i, seed).items():
+                writer.add(name, tensor.to(new_dtype))
+        shards = writer.close()
+
+        config.architectures = ["GLASwapForCausalLM"]
+        config.auto_map = dict(AUTO_MAP)
+        if out_dtype is not None:
+            config.dtype = out_dtype
+        config.save_pretrained(tmp)
+        code = write_model_code(tmp)
+        _write_tokenizer(src, tmp)
+        meta = {
+            "format": 1,
+            "source": src.describe(),
+            "options": config.gla_options(),
+            "dtype": str(out_dtype or new_dtype).replace("torch.", ""),
+            "seed": seed,
+            "versions": versions(),
+            "files": {"weights": shards, "code": code},
+            "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+            "convert_seconds": round(time.time() - started, 1),
+        }
+        if report:
+            meta["step0"] = _step0_report(tmp, config, log)
+        (tmp / "glaswap.json").write_text(json.dumps(meta, indent=2) + "\n")
+    log(f"wrote {out} ({len(shards)} weight file{'s' if len(shards) > 1 else ''}, "
+        f"{writer.total_bytes / 2**20:.0f} MiB) in {time.time() - started:.0f} s")
+    meta["peak_buffer_bytes"] = writer.peak_bytes
+    return meta
+
+
+def _write_tokenizer(src: Source, folder: Path):
+    if src.kind == "folder":
+        for name in TOKENIZER_FILES:
+            if (src.path / name).is_file():
+                shutil.copyfile(src.path / name, folder / name)
+        return
+    from transformers import AutoTokenizer
+
+    try:
+        tok = AutoTokenizer.from_pretrained(str(src.path.parent), gguf_file=src.path.name)
+    except Exception as e:
+        raise GlaswapError(f"could not read the tokenizer from {src.path} ({type(e).__name__}); check the file")
+    tok.save_pretrained(str(folder))
+
+
+def _step0_report(folder: Path, config: GLASwapConfig, log) -> dict:
+    """Teacher and converted perplexity (and KL) on a few sample sequences."""
+    from glaswap.report import step0_report
+
+    return step0_report(folder, config, log)

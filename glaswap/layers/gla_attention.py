@@ -1,0 +1,247 @@
+"""The GLA attention layer that replaces a teacher's softmax attention.
+
+It keeps the teacher's `q_proj`, `k_proj`, `v_proj`, `o_proj` (and `q_norm`, `k_norm` where the
+teacher has them) under the same names, so checkpoints and LoRA targets carry over, and adds
+a gate and, optionally, learned feature maps. The same module can also run the teacher's
+softmax attention from the same weights (`mode = "softmax"`): distillation uses that for
+teacher outputs without a second copy of the model.
+
+This file is copied into every saved model folder: it imports only torch, transformers'
+public utilities and the GLA ops, never the rest of glaswap.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from glaswap_kernels.gla_ops import chunk_gla, recurrent_gla
+
+GATES = ("lowrank", "key", "scalar")
+FEATURE_MAPS = ("identity", "softmax", "hedgehog")
+MODES = ("gla", "softmax")
+
+
+class RMSNorm(nn.Module):
+    """Llama's RMSNorm: normalise in float32, scale in the input dtype."""
+
+    def __init__(self, dim, eps=1e-6):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x):
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+def rotate_half(x):
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def apply_rope(x, cos, sin):
+    """x [B, T, heads, D]; cos, sin [B, T, D]."""
+    cos, sin = cos.unsqueeze(2), sin.unsqueeze(2)
+    return x * cos + rotate_half(x) * sin
+
+
+class FeatureMap(nn.Module):
+    """phi(x) applied per head to q or k before the linear attention.
+
+    identity: phi(x) = x (plain GLA). softmax: softmax over the head dimension. hedgehog:
+    softmax(x W) with one learned W per head, initialised to the identity, so it starts as
+    `softmax` and can learn to sharpen or mix dimensions (Hedgehog / LoLCATs).
+    """
+
+    def __init__(self, kind, heads, dim):
+        super().__init__()
+        self.kind = kind
+        if kind == "hedgehog":
+            self.weight = nn.Parameter(torch.eye(dim).repeat(heads, 1, 1))
+
+    def forward(self, x):
+        if self.kind == "identity":
+            return x
+        dtype = x.dtype
+        x = x.float()
+        if self.kind == "hedgehog":
+            x = torch.einsum("bthd,hde->bthe", x, self.weight.float())
+        return torch.softmax(x, dim=-1).to(dtype)
+
+
+class GLAAttention(nn.Module):
+    def __init__(self, config, layer_idx):
+        super().__init__()
+        self.config = config
+        self.layer_idx = layer_idx
+        self.hidden_size = config.hidden_size
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = config.head_dim
+        self.mode = "gla"
+        # Set by attention transfer: also compute the GLA output in softmax mode and keep
+        # its distance to the teacher's output in `transfer_loss`.
+        self.transfer = False
+        self.transfer_loss = None
+
+        q_dim, kv_dim = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        self.q_proj = nn.Linear(self.hidden_size, q_dim, bias=config.qkv_bias)
+        self.k_proj = nn.Linear(self.hidden_size, kv_dim, bias=config.qkv_bias)
+        self.v_proj = nn.Linear(self.hidden_size, kv_dim, bias=config.qkv_bias)
+        self.o_proj = nn.Linear(q_dim, self.hidden_size, bias=config.o_bias)
+        if config.qk_norm:
+            self.q_norm = RMSNorm(self.head_dim, eps=config.rms_norm_eps)
+            self.k_norm = RMSNorm(self.head_dim, eps=config.rms_norm_eps)
+
+        # New parameters (the only ones attention transfer trains).
+        if config.gate == "lowrank":
+            self.gate_down = nn.Linear(self.hidden_size, config.gate_rank, bias=False)
+            self.gate_up = nn.Linear(config.gate_rank, kv_dim, bias=True)
+        elif config.gate == "scalar":
+            self.gate_proj = nn.Linear(self.hidden_size, self.num_kv_heads, bias=True)
+        self.q_map = FeatureMap(config.feature_map, self.num_heads, self.head_dim)
+        self.k_map = FeatureMap(config.feature_map, self.num_kv_heads, self.head_dim)
+        for m in (getattr(self, n, None) for n in ("gate_down", "gate_up", "gate_proj")):
+            if m is not None:
+                m._glaswap_new = True  # initialised by reset_new_parameters, not as a plain Linear
+        self.reset_new_parameters()
+
+    @torch.no_grad()
+    def reset_new_parameters(self):
+        """Initialise the gate so every step starts with the decay `gate_init_decay`.
+
+        The low-rank gate's up projection starts at zero (the gate is data-independent at
+        step 0, like a LoRA B matrix), its bias gives the starting decay; the down
+        projection is small and random so gradients reach it once `gate_up` moves.
+        """
+        cfg = self.config
+        bias = _logit_for_decay(cfg.gate_init_decay, cfg.gate_normalizer)
+        if cfg.gate == "lowrank":
+            nn.init.normal_(self.gate_down.weight, std=self.hidden_size ** -0.5)
+            self.gate_up.weight.zero_()
+            self.gate_up.bias.fill_(bias)
+        elif cfg.gate == "scalar":
+            self.gate_proj.weight.zero_()
+            self.gate_proj.bias.fill_(bias)
+        if cfg.feature_map == "hedgehog":
+            for m in (self.q_map, self.k_map):
+                m.weight.copy_(torch.eye(self.head_dim).repeat(m.weight.shape[0], 1, 1))
+
+    def new_parameter_names(self):
+        names = [n for n, _ in self.named_parameters()
+                 if n.startswith(("gate_down.", "gate_up.", "gate_proj.", "q_map.", "k_map."))]
+        return names
+
+    # ----------------------------------------------------------------------------------
+    def _project(self, x, position_embeddings):
+        B, T, _ = x.shape
+        q = self.q_proj(x).view(B, T, self.num_heads, self.head_dim)
+        k = self.k_proj(x).view(B, T, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).view(B, T, self.num_kv_heads, self.head_dim)
+        if self.config.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        return q, k, v
+
+    def _gate(self, x, k_raw):
+        """Per-step log-decays g [B, T, Hkv, D] (<= 0), in x's dtype."""
+        cfg = self.config
+        B, T, _ = x.shape
+        if cfg.gate == "lowrank":
+            logits = self.gate_up(self.gate_down(x)).view(B, T, self.num_kv_heads, self.head_dim)
+        elif cfg.gate == "scalar":
+            logits = self.gate_proj(x).view(B, T, self.num_kv_heads, 1)
+            logits = logits.expand(B, T, self.num_kv_heads, self.head_dim)
+        else:  # key: reuse the key projection (before RoPE), shifted to the starting decay
+            logits = k_raw + _logit_for_decay(cfg.gate_init_decay, cfg.gate_normalizer)
+        return (F.logsigmoid(logits.float()) / cfg.gate_normalizer).to(x.dtype)
+
+    def forward(self, hidden_states, position_embeddings=None, attention_mask=None,
+                past_key_values=None, cu_seqlens=None, **kwargs):
+        q, k, v = self._project(hidden_states, position_embeddings)
+        if self.mode == "softmax":
+            with torch.set_grad_enabled(torch.is_grad_enabled() and not self.transfer):
+                out = self._softmax_attention(q, k, v, position_embeddings, attention_mask, cu_seqlens)
+            if self.transfer:
+                gla = self._gla(hidden_states, q, k, v, position_embeddings, attention_mask, None, cu_seqlens)
+                self.transfer_loss = F.mse_loss(gla.float(), out.float())
+            return out, None
+        return self._gla(hidden_states, q, k, v, position_embeddings, attention_mask,
+                         past_key_values, cu_seqlens), None
+
+    def _softmax_attention(self, q, k, v, position_embeddings, attention_mask, cu_seqlens):
+        """The teacher's attention from the same weights (SDPA)."""
+        cos, sin = position_embeddings
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        B, T = q.shape[:2]
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        R = self.num_heads // self.num_kv_heads
+        if R > 1:
+            k, v = k.repeat_interleave(R, dim=1), v.repeat_interleave(R, dim=1)
+        mask = _softmax_mask(B, T, q.device, attention_mask, cu_seqlens, self.config.sliding_window)
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None,
+                                           scale=self.head_dim ** -0.5)
+        o = o.transpose(1, 2).reshape(B, T, -1)
+        return self.o_proj(o)
+
+    def _gla(self, x, q, k, v, position_embeddings, attention_mask, cache, cu_seqlens):
+        cfg = self.config
+        B, T = q.shape[:2]
+        g = self._gate(x, k)
+        if cfg.use_rope:
+            cos, sin = position_embeddings
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        q, k = self.q_map(q), self.k_map(k)
+        if cfg.normalizer:
+            # A column of ones appended to v makes the same kernel return the denominator.
+            v = torch.cat([v, v.new_ones(B, T, self.num_kv_heads, 1)], dim=-1)
+        if attention_mask is not None and attention_mask.dim() == 2:
+            # Padded positions must not touch the state: no key, no value, no decay.
+            keep = attention_mask[:, -T:].to(v.dtype)[:, :, None, None]
+            k, v, g = k * keep, v * keep, g * keep
+        scale = self.head_dim ** -0.5 if cfg.feature_map == "identity" else 1.0
+        state = cache.recurrent_state(self.layer_idx) if cache is not None else None
+        if cache is not None and T == 1 and not torch.is_grad_enabled():
+            o, new_state = recurrent_gla(q, k, v, g, scale=scale, initial_state=state,
+                                         output_final_state=True, backend=cfg.gla_backend)
+        else:
+            o, new_state = chunk_gla(q, k, v, g, scale=scale, initial_state=state,
+                                     output_final_state=cache is not None, cu_seqlens=cu_seqlens,
+                                     backend=cfg.gla_backend)
+        if cache is not None:
+            cache.set_recurrent_state(self.layer_idx, new_state)
+        if cfg.normalizer:
+            num, den = o[..., :-1], o[..., -1:]
+            o = num / (den.float() + cfg.normalizer_eps).to(num.dtype)
+        return self.o_proj(o.reshape(B, T, -1))
+
+
+def _logit_for_decay(decay, normalizer):
+    """The pre-sigmoid value b with exp(logsigmoid(b) / normalizer) = decay."""
+    p = decay ** normalizer
+    return math.log(p / (1.0 - p))
+
+
+def _softmax_mask(B, T, device, attention_mask, cu_seqlens, sliding_window):
+    """A boolean [B or 1, 1, T, T] mask where plain causal attention is not enough, else None."""
+    if attention_mask is None and cu_seqlens is None and not (sliding_window and T > sliding_window):
+        return None
+    i = torch.arange(T, device=device)
+    allowed = i[:, None] >= i[None, :]
+    if sliding_window and T > sliding_window:
+        allowed = allowed & (i[:, None] - i[None, :] < sliding_window)
+    allowed = allowed[None, None]
+    if cu_seqlens is not None:
+        doc = torch.bucketize(i, cu_seqlens[1:-1].to(device), right=True)
+        allowed = allowed & (doc[:, None] == doc[None, :])[None, None]
+    if attention_mask is not None and attention_mask.dim() == 2:
+        keep = attention_mask[:, -T:].bool()
+        allowed = allowed & keep[:, None, None, :]
+        # A fully padded query row would give NaN; let it see itself (its output is unused).
+        allowed = allowed | torch.eye(T, dtype=torch.bool, device=device)[None, None]
+    return allowed

@@ -1,0 +1,119 @@
+"""Hugging Face config of a glaswap GLA model: the teacher's shape plus the GLA options.
+
+Copied into every saved model folder; imports nothing from glaswap.
+"""
+
+from __future__ import annotations
+
+from transformers import PretrainedConfig
+
+GLA_OPTIONS = {
+    # name: (default, allowed values or a type)
+    "gate": ("lowrank", ("lowrank", "key", "scalar")),
+    "gate_rank": (16, int),
+    "gate_normalizer": (16.0, float),
+    "gate_init_decay": (0.98, float),
+    "feature_map": ("hedgehog", ("identity", "softmax", "hedgehog")),
+    "normalizer": (True, bool),
+    "normalizer_eps": (1e-6, float),
+    "use_rope": (True, bool),
+    "gla_backend": ("auto", ("auto", "triton", "torch")),
+}
+
+
+def check_gla_options(opts):
+    """Raise ValueError with one line per problem for invalid GLA option values."""
+    for name, value in opts.items():
+        if name not in GLA_OPTIONS:
+            raise ValueError(f"unknown GLA option {name!r}; known: {', '.join(GLA_OPTIONS)}")
+        default, allowed = GLA_OPTIONS[name]
+        if isinstance(allowed, tuple):
+            if value not in allowed:
+                raise ValueError(f"invalid {name} {value!r}; choose one of {', '.join(map(str, allowed))}")
+        elif allowed is bool:
+            if not isinstance(value, bool):
+                raise ValueError(f"invalid {name} {value!r}; expected true or false")
+        elif not isinstance(value, (int, float)) or isinstance(value, bool):
+            raise ValueError(f"invalid {name} {value!r}; expected a number")
+    merged = {k: v[0] for k, v in GLA_OPTIONS.items()} | dict(opts)
+    if merged["normalizer"] and merged["feature_map"] == "identity":
+        raise ValueError("normalizer needs a positive feature map (softmax or hedgehog); change feature_map "
+                         "or turn the normalizer off")
+    if not 0.0 < float(merged["gate_init_decay"]) < 1.0:
+        raise ValueError(f"invalid gate_init_decay {merged['gate_init_decay']!r}; expected 0 < decay < 1")
+    if int(merged["gate_rank"]) < 1 or float(merged["gate_normalizer"]) <= 0:
+        raise ValueError("gate_rank must be >= 1 and gate_normalizer > 0")
+
+
+class GLASwapConfig(PretrainedConfig):
+    model_type = "glaswap"
+    keys_to_ignore_at_inference = ["past_key_values"]
+
+    def __init__(
+        self,
+        vocab_size=32000,
+        hidden_size=4096,
+        intermediate_size=11008,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        num_key_value_heads=None,
+        head_dim=None,
+        hidden_act="silu",
+        max_position_embeddings=4096,
+        initializer_range=0.02,
+        rms_norm_eps=1e-6,
+        rope_parameters=None,
+        qkv_bias=False,
+        o_bias=False,
+        mlp_bias=False,
+        qk_norm=False,
+        sliding_window=None,
+        tie_word_embeddings=False,
+        pad_token_id=None,
+        bos_token_id=1,
+        eos_token_id=2,
+        source_model_type="llama",
+        gate="lowrank",
+        gate_rank=16,
+        gate_normalizer=16.0,
+        gate_init_decay=0.98,
+        feature_map="hedgehog",
+        normalizer=True,
+        normalizer_eps=1e-6,
+        use_rope=True,
+        gla_backend="auto",
+        **kwargs,
+    ):
+        self.vocab_size = vocab_size
+        self.hidden_size = hidden_size
+        self.intermediate_size = intermediate_size
+        self.num_hidden_layers = num_hidden_layers
+        self.num_attention_heads = num_attention_heads
+        self.num_key_value_heads = num_key_value_heads or num_attention_heads
+        self.head_dim = head_dim or hidden_size // num_attention_heads
+        self.hidden_act = hidden_act
+        self.max_position_embeddings = max_position_embeddings
+        self.initializer_range = initializer_range
+        self.rms_norm_eps = rms_norm_eps
+        self.rope_parameters = dict(rope_parameters or {"rope_type": "default", "rope_theta": 10000.0})
+        self.qkv_bias = qkv_bias
+        self.o_bias = o_bias
+        self.mlp_bias = mlp_bias
+        self.qk_norm = qk_norm
+        self.sliding_window = sliding_window
+        self.source_model_type = source_model_type
+        self.gate = gate
+        self.gate_rank = gate_rank
+        self.gate_normalizer = gate_normalizer
+        self.gate_init_decay = gate_init_decay
+        self.feature_map = feature_map
+        self.normalizer = normalizer
+        self.normalizer_eps = normalizer_eps
+        self.use_rope = use_rope
+        self.gla_backend = gla_backend
+        check_gla_options({k: getattr(self, k) for k in GLA_OPTIONS})
+        super().__init__(pad_token_id=pad_token_id, bos_token_id=bos_token_id, eos_token_id=eos_token_id,
+                         tie_word_embeddings=tie_word_embeddings, **kwargs)
+
+    def gla_options(self):
+        return {k: getattr(self, k) for k in GLA_OPTIONS}

@@ -1,0 +1,262 @@
+"""Hugging Face model classes of a glaswap GLA model.
+
+The decoder is the teacher's (Llama, Mistral, Qwen2, Qwen3: embeddings, RMSNorms, gated MLP,
+biases, q/k norms, tied embeddings) with every softmax attention replaced by `GLAAttention`.
+Weight names match the teacher's, so a converted checkpoint is the teacher's tensors plus
+the new gate and feature-map tensors.
+
+Copied into every saved model folder next to the layer and the kernels; loading with
+`AutoModelForCausalLM.from_pretrained(path, trust_remote_code=True)` needs no glaswap.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import GenerationMixin, PreTrainedModel
+from transformers.activations import ACT2FN
+from transformers.cache_utils import Cache
+from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
+
+from glaswap.layers.gla_attention import MODES, GLAAttention, RMSNorm
+from glaswap.models.configuration_glaswap import GLASwapConfig
+
+
+class GLASwapCache(Cache):
+    """Recurrent state per layer ([B, Hkv, K, V] float32) and the number of tokens seen.
+
+    The state does not grow with the context: this is the whole cache. transformers'
+    `Cache.get_seq_length()` raises when every layer is linear, so the count is kept here.
+    """
+
+    is_compileable = False
+
+    def __init__(self, num_layers=0):
+        super().__init__(layers=[])
+        self.states = [None] * num_layers
+        self.seen_tokens = 0
+
+    def recurrent_state(self, layer_idx):
+        return self.states[layer_idx]
+
+    def set_recurrent_state(self, layer_idx, state):
+        self.states[layer_idx] = state
+
+    def get_seq_length(self, layer_idx=0):
+        return self.seen_tokens
+
+    def get_mask_sizes(self, query_length, layer_idx=0):
+        return self.seen_tokens + query_length, 0
+
+    def reorder_cache(self, beam_idx):
+        self.states = [s.index_select(0, beam_idx.to(s.device)) if s is not None else None for s in self.states]
+
+    def batch_repeat_interleave(self, repeats):
+        self.states = [s.repeat_interleave(repeats, dim=0) if s is not None else None for s in self.states]
+
+    def batch_select_indices(self, indices):
+        self.states = [s[indices] if s is not None else None for s in self.states]
+
+    def reset(self):
+        self.states = [None] * len(self.states)
+        self.seen_tokens = 0
+
+    def __len__(self):
+        return len(self.states)
+
+    def __repr__(self):
+        return f"GLASwapCache(layers={len(self.states)}, seen_tokens={self.seen_tokens})"
+
+
+class RotaryEmbedding(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        self.config = config
+        inv_freq, self.attention_scaling = self.compute_inv_freq()
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+
+    def compute_inv_freq(self):
+        """(inverse frequencies, attention scaling) for the config's RoPE type."""
+        rope = dict(self.config.rope_parameters)
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        if rope_type == "default":
+            dim = int(self.config.head_dim * rope.get("partial_rotary_factor", 1.0))
+            inv_freq = 1.0 / (rope["rope_theta"] ** (torch.arange(0, dim, 2, dtype=torch.float) / dim))
+            return inv_freq, 1.0
+        from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS  # llama3, linear, yarn, ...
+
+        return ROPE_INIT_FUNCTIONS[rope_type](self.config, None)
+
+    @torch.no_grad()
+    def forward(self, x, position_ids):
+        freqs = position_ids[:, :, None].float() * self.inv_freq.float().to(x.device)[None, None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        cos, sin = emb.cos() * self.attention_scaling, emb.sin() * self.attention_scaling
+        return cos.to(x.dtype), sin.to(x.dtype)
+
+
+class MLP(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=config.mlp_bias)
+        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=config.mlp_bias)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=config.mlp_bias)
+        self.act_fn = ACT2FN[config.hidden_act]
+
+    def forward(self, x):
+        return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config, layer_idx):
+        super().__init__()
+        self.self_attn = GLAAttention(config, layer_idx)
+        self.mlp = MLP(config)
+        self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+
+    def forward(self, hidden_states, position_embeddings, attention_mask=None, past_key_values=None,
+                cu_seqlens=None):
+        residual = hidden_states
+        h, _ = self.self_attn(self.input_layernorm(hidden_states), position_embeddings=position_embeddings,
+                              attention_mask=attention_mask, past_key_values=past_key_values,
+                              cu_seqlens=cu_seqlens)
+        hidden_states = residual + h
+        return hidden_states + self.mlp(self.post_attention_layernorm(hidden_states))
+
+
+class GLASwapPreTrainedModel(PreTrainedModel):
+    config_class = GLASwapConfig
+    config: GLASwapConfig
+    base_model_prefix = "model"
+    supports_gradient_checkpointing = True
+    _no_split_modules = ["DecoderLayer"]
+    _skip_keys_device_placement = ["past_key_values"]
+    _supports_sdpa = True
+
+    @torch.no_grad()
+    def _init_weights(self, module):
+        std = self.config.initializer_range
+        if isinstance(module, GLAAttention):
+            module.reset_new_parameters()
+        elif isinstance(module, nn.Linear):
+            if getattr(module, "_glaswap_new", False):
+                return
+            module.weight.normal_(0.0, std)
+            if module.bias is not None:
+                module.bias.zero_()
+        elif isinstance(module, nn.Embedding):
+            module.weight.normal_(0.0, std)
+        elif isinstance(module, RMSNorm):
+            module.weight.fill_(1.0)
+        elif isinstance(module, RotaryEmbedding):
+            # A non-persistent buffer: from_pretrained leaves it uninitialised otherwise.
+            module.inv_freq.copy_(module.compute_inv_freq()[0])
+
+    @classmethod
+    def _supports_default_dynamic_cache(cls):
+        return False  # the recurrent cache is made by forward() itself
+
+
+class GLASwapModel(GLASwapPreTrainedModel):
+    def __init__(self, config):
+        super().__init__(config)
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, config.pad_token_id)
+        self.layers = nn.ModuleList([DecoderLayer(config, i) for i in range(config.num_hidden_layers)])
+        self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.rotary_emb = RotaryEmbedding(config)
+        self.gradient_checkpointing = False
+        self.post_init()
+
+    def forward(self, input_ids=None, attention_mask=None, position_ids=None, past_key_values=None,
+                inputs_embeds=None, use_cache=None, cu_seqlens=None, **kwargs):
+        if (input_ids is None) == (inputs_embeds is None):
+            raise ValueError("pass exactly one of input_ids or inputs_embeds")
+        if inputs_embeds is None:
+            inputs_embeds = self.embed_tokens(input_ids)
+        B, T = inputs_embeds.shape[:2]
+        gla_mode = all(layer.self_attn.mode == "gla" for layer in self.layers)
+        if use_cache and past_key_values is None and gla_mode:
+            past_key_values = GLASwapCache(len(self.layers))
+        if past_key_values is not None and not isinstance(past_key_values, GLASwapCache):
+            raise ValueError("glaswap models keep a recurrent state: pass a GLASwapCache (or none)")
+        if past_key_values is not None and not gla_mode:
+            raise ValueError("softmax (teacher) mode has no KV cache; call it with use_cache=False")
+        past = past_key_values.seen_tokens if past_key_values is not None else 0
+        if position_ids is None:
+            if cu_seqlens is not None:  # positions restart with every packed document
+                idx = torch.arange(T, device=inputs_embeds.device)
+                starts = cu_seqlens.to(idx.device)[torch.bucketize(idx, cu_seqlens[1:].to(idx.device), right=True)]
+                position_ids = (idx - starts)[None]
+            else:
+                position_ids = torch.arange(past, past + T, device=inputs_embeds.device)[None]
+        position_embeddings = self.rotary_emb(inputs_embeds, position_ids)
+        if attention_mask is not None and bool(attention_mask.all()):
+            attention_mask = None  # no padding: skip the masking work
+
+        hidden_states = inputs_embeds
+        for layer in self.layers:
+            if self.gradient_checkpointing and self.training:
+                hidden_states = self._gradient_checkpointing_func(
+                    layer.__call__, hidden_states, position_embeddings, attention_mask, past_key_values,
+                    cu_seqlens)
+            else:
+                hidden_states = layer(hidden_states, position_embeddings, attention_mask, past_key_values,
+                                      cu_seqlens)
+        if past_key_values is not None:
+            past_key_values.seen_tokens += T
+        return BaseModelOutputWithPast(last_hidden_state=self.norm(hidden_states),
+                                       past_key_values=past_key_values)
+
+
+class GLASwapForCausalLM(GLASwapPreTrainedModel, GenerationMixin):
+    _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
+
+    def __init__(self, config):
+        super().__init__(config)
+        self.model = GLASwapModel(config)
+        self.vocab_size = config.vocab_size
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.post_init()
+
+    def set_attention_mode(self, mode):
+        """'gla' (the student) or 'softmax' (the teacher, from the same weights)."""
+        if mode not in MODES:
+            raise ValueError(f"unknown attention mode {mode!r}; choose one of {', '.join(MODES)}")
+        for layer in self.model.layers:
+            layer.self_attn.mode = mode
+
+    @contextmanager
+    def attention_mode(self, mode):
+        before = [layer.self_attn.mode for layer in self.model.layers]
+        self.set_attention_mode(mode)
+        try:
+            yield self
+        finally:
+            for layer, m in zip(self.model.layers, before):
+                layer.self_attn.mode = m
+
+    def new_parameter_names(self):
+        """Names of the parameters conversion added (gates, feature maps)."""
+        names = []
+        for i, layer in enumerate(self.model.layers):
+            names += [f"model.layers.{i}.self_attn.{n}" for n in layer.self_attn.new_parameter_names()]
+        return names
+
+    def forward(self, input_ids=None, attention_mask=None, position_ids=None, past_key_values=None,
+                inputs_embeds=None, labels=None, use_cache=None, logits_to_keep=0, cu_seqlens=None,
+                **kwargs):
+        out = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                         past_key_values=past_key_values, inputs_embeds=inputs_embeds,
+                         use_cache=use_cache, cu_seqlens=cu_seqlens)
+        hidden = out.last_hidden_state
+        keep = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
+        logits = self.lm_head(hidden[:, keep, :])
+        loss = None
+        if labels is not None:
+            loss = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten(),
+                                   ignore_index=-100)
+        return CausalLMOutputWithPast(loss=loss, logits=logits, past_key_values=out.past_key_values)

@@ -1,0 +1,53 @@
+"""One entry point per GLA form, choosing the implementation.
+
+`chunk_gla` (prefill and training) and `recurrent_gla` (token-by-token, for generation)
+run glaswap's Triton kernels on CUDA when Triton imports, and the PyTorch forms everywhere
+else. Both forms take and return the same shapes; see `gla_torch` for the contract.
+"""
+
+from __future__ import annotations
+
+import os
+
+from .gla_torch import chunk_gla_torch, recurrent_gla_torch
+
+try:  # Triton is optional: a saved model must load on machines without it.
+    from .gla_triton import fused_chunk_gla, fused_recurrent_gla
+    HAS_TRITON = True
+except Exception:  # ImportError, or a Triton too old for the kernels
+    fused_chunk_gla = fused_recurrent_gla = None
+    HAS_TRITON = False
+
+BACKENDS = ("auto", "triton", "torch")
+
+
+def _use_triton(x, backend):
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown GLA backend {backend!r}; choose one of {', '.join(BACKENDS)}")
+    if backend == "torch":
+        return False
+    interpreted = os.environ.get("TRITON_INTERPRET") == "1"
+    ok = HAS_TRITON and (x.is_cuda or interpreted)
+    if backend == "triton" and not ok:
+        raise RuntimeError("the Triton GLA kernels need Triton and a CUDA tensor (or TRITON_INTERPRET=1)")
+    return ok and (backend == "triton" or x.is_cuda)
+
+
+def chunk_gla(q, k, v, g, scale=None, initial_state=None, output_final_state=False,
+              cu_seqlens=None, backend="auto"):
+    """Chunked GLA over whole sequences: returns (o [B, T, H, V], final state or None)."""
+    if _use_triton(q, backend):
+        return fused_chunk_gla(q, k, v, g, scale=scale, initial_state=initial_state,
+                               output_final_state=output_final_state, cu_seqlens=cu_seqlens)
+    return chunk_gla_torch(q, k, v, g, scale=scale, initial_state=initial_state,
+                           output_final_state=output_final_state, cu_seqlens=cu_seqlens)
+
+
+def recurrent_gla(q, k, v, g, scale=None, initial_state=None, output_final_state=False,
+                  backend="auto"):
+    """Token-by-token GLA (a decode step when T = 1): returns (o, final state or None)."""
+    if _use_triton(q, backend) and not (q.requires_grad or k.requires_grad or v.requires_grad):
+        return fused_recurrent_gla(q, k, v, g, scale=scale, initial_state=initial_state,
+                                   output_final_state=output_final_state)
+    return recurrent_gla_torch(q, k, v, g, scale=scale, initial_state=initial_state,
+                               output_final_state=output_final_state)

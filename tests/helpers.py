@@ -1,0 +1,79 @@
+"""Builders shared by the tests: tiny random teachers of each supported architecture."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+ARCHS = ("llama", "mistral", "qwen2", "qwen3")
+REPO = Path(__file__).resolve().parents[1]
+
+
+def tiny_teacher(arch: str, seed: int = 0, layers: int = 2, vocab: int = 128, tie: bool = False):
+    """A random model of `arch` small enough to run in milliseconds, with GQA and odd sizes.
+
+    Every parameter is randomised (norm weights around 1, biases non-zero) so a tensor that
+    conversion drops or misplaces changes the logits.
+    """
+    import transformers
+
+    common = dict(vocab_size=vocab, hidden_size=96, intermediate_size=160, num_hidden_layers=layers,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                  tie_word_embeddings=tie, rope_parameters={"rope_type": "default", "rope_theta": 5000.0})
+    if arch == "llama":
+        cfg = transformers.LlamaConfig(**common, head_dim=24, attention_bias=False)
+    elif arch == "mistral":
+        cfg = transformers.MistralConfig(**common, head_dim=24, sliding_window=None)
+    elif arch == "qwen2":
+        cfg = transformers.Qwen2Config(**common)
+    elif arch == "qwen3":
+        cfg = transformers.Qwen3Config(**common, head_dim=32)
+    else:
+        raise ValueError(arch)
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(cfg).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.copy_(1.0 + 0.1 * torch.randn_like(p))
+            elif name.endswith("bias"):
+                p.copy_(0.1 * torch.randn_like(p))
+            else:
+                p.copy_(0.08 * torch.randn_like(p))
+    return model
+
+
+def save_teacher(model, folder: Path, **kwargs) -> Path:
+    model.save_pretrained(str(folder), **kwargs)
+    return folder
+
+
+def tree_digest(folder: Path) -> str:
+    """A hash of every file's name and bytes under `folder` (to prove it was not modified)."""
+    h = hashlib.sha256()
+    for p in sorted(Path(folder).rglob("*")):
+        if p.is_file():
+            h.update(str(p.relative_to(folder)).encode())
+            h.update(p.read_bytes())
+    return h.hexdigest()
+
+
+def run_without_glaswap(code: str, cwd: Path) -> subprocess.CompletedProcess:
+    """Run Python code in a fresh process where `glaswap` and `glaswap_kernels` cannot be imported."""
+    prelude = ("import sys\n"
+               "sys.modules['glaswap'] = None\n"        # a None entry makes `import glaswap` fail
+               "sys.modules['glaswap_kernels'] = None\n")
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env["HF_HUB_OFFLINE"] = "1"
+    return subprocess.run([sys.executable, "-c", prelude + code], cwd=str(cwd), env=env,
+                          capture_output=True, text=True, timeout=600)
+
+
+def read_json(path: Path):
+    return json.loads(Path(path).read_text())

@@ -1,0 +1,234 @@
+"""`glaswap convert` on tiny random teachers of every supported architecture."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+import pytest
+import torch
+from click.testing import CliRunner
+from helpers import ARCHS, read_json, run_without_glaswap, save_teacher, tiny_teacher, tree_digest
+
+from glaswap.cli import main
+from glaswap.convert import convert
+from glaswap.errors import GlaswapError
+from glaswap.models.modeling_glaswap import GLASwapForCausalLM
+
+IDS = torch.tensor([[3, 17, 5, 99, 42, 8, 8, 61, 120, 2, 33, 71, 14, 90, 6, 55, 23, 101, 77, 12]])
+
+
+def _load(folder):
+    return GLASwapForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_convert_reload_without_glaswap(arch, tmp_path):
+    teacher = tiny_teacher(arch, tie=arch == "qwen3")
+    src = save_teacher(teacher, tmp_path / "src")
+    before = tree_digest(src)
+    meta = convert(str(src), tmp_path / "out", report=False, log=lambda *_: None)
+    assert tree_digest(src) == before, "the source checkpoint was modified"
+
+    out = tmp_path / "out"
+    for name in ("config.json", "glaswap.json", "modeling_glaswap.py", "configuration_glaswap.py",
+                 "gla_attention.py", "gla_ops.py", "gla_torch.py", "model.safetensors"):
+        assert (out / name).is_file(), name
+    cfg = read_json(out / "config.json")
+    assert cfg["auto_map"]["AutoModelForCausalLM"] == "modeling_glaswap.GLASwapForCausalLM"
+    assert meta["source"]["path"] == str(src) and meta["options"]["gate"] == "lowrank"
+    assert read_json(out / "glaswap.json")["versions"]["torch"] == torch.__version__
+
+    model = _load(out)
+    with torch.no_grad():
+        # Softmax mode of the converted model is the teacher itself: same weights, same maths.
+        with model.attention_mode("softmax"):
+            soft = model(IDS).logits
+        ref = teacher(IDS).logits
+        torch.testing.assert_close(soft, ref, rtol=1e-4, atol=1e-4)
+        gla = model(IDS).logits
+    assert torch.isfinite(gla).all()
+    torch.save({"ids": IDS, "logits": gla}, tmp_path / "expected.pt")
+
+    code = f"""
+import torch
+from transformers import AutoModelForCausalLM
+m = AutoModelForCausalLM.from_pretrained({str(out)!r}, trust_remote_code=True, dtype=torch.float32).eval()
+exp = torch.load({str(tmp_path / 'expected.pt')!r})
+with torch.no_grad():
+    got = m(exp["ids"]).logits
+assert type(m).__name__ == "GLASwapForCausalLM", type(m)
+diff = (got - exp["logits"]).abs().max().item()
+print("maxdiff", diff)
+assert diff == 0.0, diff
+"""
+    proc = run_without_glaswap(code, tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "maxdiff 0.0" in proc.stdout
+
+
+def test_new_parameters_load_back_unchanged(tmp_path):
+    """from_pretrained must not re-initialise the gates or feature maps it loads."""
+    src = save_teacher(tiny_teacher("llama"), tmp_path / "src")
+    convert(str(src), tmp_path / "out", report=False, seed=7, log=lambda *_: None)
+    model = _load(tmp_path / "out")
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.gate_up.weight.normal_()
+            layer.self_attn.q_map.weight.add_(0.1)
+    model.save_pretrained(tmp_path / "edited")
+    again = GLASwapForCausalLM.from_pretrained(str(tmp_path / "edited"), dtype=torch.float32)
+    for (n, a), (_, b) in zip(model.state_dict().items(), again.state_dict().items()):
+        assert torch.equal(a, b), n
+
+
+def test_gate_and_feature_options_recorded(tmp_path):
+    src = save_teacher(tiny_teacher("qwen2"), tmp_path / "src")
+    for gate in ("key", "scalar"):
+        opts = {"gate": gate, "feature_map": "softmax", "use_rope": False}
+        meta = convert(str(src), tmp_path / gate, options=opts, report=True, log=lambda *_: None)
+        assert meta["options"]["gate"] == gate and meta["options"]["use_rope"] is False
+        assert meta["step0"]["student_ppl"] > 0 and meta["step0"]["kl"] >= 0
+        model = _load(tmp_path / gate)
+        assert model.config.gate == gate
+        names = model.new_parameter_names()
+        assert all("gate_down" not in n for n in names)
+        assert ("gate_proj" in " ".join(names)) == (gate == "scalar")
+
+
+def test_out_exists_refused_then_forced(tmp_path):
+    src = save_teacher(tiny_teacher("llama"), tmp_path / "src")
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "keep.txt").write_text("mine")
+    with pytest.raises(GlaswapError, match="already exists"):
+        convert(str(src), out, report=False, log=lambda *_: None)
+    assert (out / "keep.txt").read_text() == "mine"
+    convert(str(src), out, report=False, force=True, log=lambda *_: None)
+    assert not (out / "keep.txt").exists() and (out / "config.json").exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out", "src"], "temporary folders left behind"
+
+
+def test_sharded_source_streams_into_sharded_output(tmp_path):
+    teacher = tiny_teacher("llama", layers=4)
+    src = save_teacher(teacher, tmp_path / "src", max_shard_size="150KB")
+    shards = sorted(p.name for p in src.glob("*.safetensors"))
+    assert len(shards) >= 3, shards
+    limit = 96 * 1024
+    meta = convert(str(src), tmp_path / "out", report=False, max_shard_size=limit, log=lambda *_: None)
+    out = tmp_path / "out"
+    index = read_json(out / "model.safetensors.index.json")
+    files = set(index["weight_map"].values())
+    assert len(files) >= 4 and all((out / f).is_file() for f in files)
+    # Never more than one output shard (plus the tensor that closes it) held in memory.
+    largest = max(p.numel() * p.element_size() for p in teacher.parameters())
+    assert meta["peak_buffer_bytes"] <= limit + largest
+    model = _load(out)
+    with torch.no_grad(), model.attention_mode("softmax"):
+        torch.testing.assert_close(model(IDS).logits, teacher(IDS).logits, rtol=1e-4, atol=1e-4)
+
+
+def test_failure_leaves_nothing_behind(tmp_path):
+    src = save_teacher(tiny_teacher("llama", layers=4), tmp_path / "src", max_shard_size="150KB")
+    shard = sorted(src.glob("*.safetensors"))[-1]
+    data = shard.read_bytes()
+    shard.write_bytes(data[: len(data) // 2])
+    with pytest.raises(GlaswapError, match="corrupted or truncated"):
+        convert(str(src), tmp_path / "out", report=False, log=lambda *_: None)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["src"]
+
+
+# ----------------------------------------------------------------------------- bad input
+def _cli(*args):
+    result = CliRunner().invoke(main, ["convert", *map(str, args)])
+    assert result.exit_code != 0
+    assert result.exception is None or isinstance(result.exception, SystemExit), result.exception
+    lines = [line for line in result.output.strip().splitlines() if line.strip()]
+    return lines
+
+
+def _one_line_error(lines, *needles):
+    assert len(lines) == 1 and lines[0].startswith("Error:"), lines
+    for needle in needles:
+        assert needle in lines[0], lines[0]
+
+
+def test_bad_input_missing_path(tmp_path):
+    _one_line_error(_cli(tmp_path / "nope", tmp_path / "out"), "does not exist")
+
+
+def test_bad_input_not_a_model_folder(tmp_path):
+    (tmp_path / "empty").mkdir()
+    _one_line_error(_cli(tmp_path / "empty", tmp_path / "out"), "not a model folder", "config.json")
+
+
+def test_bad_input_unsupported_architecture(tmp_path):
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64)).save_pretrained(tmp_path / "gpt2")
+    _one_line_error(_cli(tmp_path / "gpt2", tmp_path / "out"), "unsupported architecture 'gpt2'", "llama")
+
+
+def test_bad_input_corrupted_safetensors(tmp_path):
+    src = save_teacher(tiny_teacher("llama"), tmp_path / "src")
+    (src / "model.safetensors").write_bytes(b"this is not a safetensors file" * 4)
+    _one_line_error(_cli(src, tmp_path / "out"), "corrupted or truncated", "download it again")
+    assert not (tmp_path / "out").exists()
+
+
+def test_bad_input_truncated_safetensors(tmp_path):
+    src = save_teacher(tiny_teacher("llama"), tmp_path / "src")
+    data = (src / "model.safetensors").read_bytes()
+    (src / "model.safetensors").write_bytes(data[:-1000])
+    _one_line_error(_cli(src, tmp_path / "out"), "corrupted or truncated")
+
+
+def test_bad_input_missing_weights(tmp_path):
+    src = save_teacher(tiny_teacher("llama"), tmp_path / "src")
+    (src / "model.safetensors").unlink()
+    _one_line_error(_cli(src, tmp_path / "out"), "has no weights")
+
+
+def test_bad_input_invalid_option_values(tmp_path):
+    src = save_teacher(tiny_teacher("llama"), tmp_path / "src")
+    lines = _cli(src, tmp_path / "out", "--gate", "bogus")
+    assert any("Invalid value for '--gate'" in line for line in lines), lines
+    _one_line_error(_cli(src, tmp_path / "out", "--feature-map", "identity"), "positive feature map")
+    lines = _cli(src, tmp_path / "out", "--max-shard-size", "lots")
+    _one_line_error(lines, "invalid size")
+    assert not (tmp_path / "out").exists()
+
+
+def test_bad_input_output_exists(tmp_path):
+    src = save_teacher(tiny_teacher("llama"), tmp_path / "src")
+    (tmp_path / "out").mkdir()
+    _one_line_error(_cli(src, tmp_path / "out"), "already exists", "--force")
+
+
+# ----------------------------------------------------------------------------- real model
+@pytest.mark.slow
+def test_real_smollm2_converts_reloads_and_reports(tmp_path, smollm2_gla):
+    """SmolLM2-135M from PyPI: converts, reloads without glaswap, finite step-0 report."""
+    out, meta = smollm2_gla
+    step0 = meta["step0"]
+    assert step0["text"] == "built-in sample text"
+    for key in ("teacher_ppl", "student_ppl", "kl"):
+        assert 0 < step0[key] < float("inf"), step0
+    assert step0["teacher_ppl"] < 100, "the converted model's softmax mode should be the teacher"
+    cfg = read_json(out / "config.json")
+    assert (cfg["num_hidden_layers"], cfg["num_key_value_heads"], cfg["tie_word_embeddings"]) == (30, 3, True)
+    code = f"""
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+tok = AutoTokenizer.from_pretrained({str(out)!r})
+m = AutoModelForCausalLM.from_pretrained({str(out)!r}, trust_remote_code=True, dtype=torch.float32)
+ids = tok("The river that runs through the valley is fed by snow", return_tensors="pt").input_ids
+with torch.no_grad():
+    logits = m(ids).logits
+assert torch.isfinite(logits).all()
+print("ok", tuple(logits.shape))
+"""
+    proc = run_without_glaswap(code, tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "ok (1," in proc.stdout
