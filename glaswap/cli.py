@@ -30,6 +30,11 @@ def _friendly(fn):
 def main():
     """Convert pretrained Llama-family models to Gated Linear Attention, distil and evaluate them."""
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # glaswap shows its own progress; keep the terminal readable
+    hf_logging.set_verbosity_error()
 
 
 @main.command()
@@ -63,6 +68,101 @@ def convert(source, out, gate, gate_rank, gate_init_decay, feature_map, normaliz
                "feature_map": feature_map, "normalizer": normalizer, "use_rope": rope}
     run(source, out, options=options, force=force, dtype=dtype, max_shard_size=max_shard_size, report=report,
         seed=seed, log=click.echo)
+
+
+@main.command(context_settings={"ignore_unknown_options": False})
+@click.option("--recipe", "recipe_path", required=True, type=click.Path(dir_okay=False),
+              help="A recipe YAML (see recipes/).")
+@click.argument("overrides", nargs=-1)
+@click.option("--out", type=click.Path(file_okay=False), help="Output folder (default: the recipe's output.dir).")
+@click.option("--resume", is_flag=True, help="Continue an interrupted run from its last checkpoint.")
+@click.option("--force", is_flag=True, help="Replace an existing output folder and unfinished run.")
+@_friendly
+def distill(recipe_path, overrides, out, resume, force):
+    """Distil a converted model from its teacher, as a recipe says.
+
+    OVERRIDES are key.sub=value pairs, e.g. stage2.lr=1e-4 data.seq_len=1024.
+    """
+    from glaswap.distill import distill as run, load_recipe
+    from glaswap.distill.train import Interrupted
+
+    recipe = load_recipe(recipe_path, overrides)
+    try:
+        run(recipe, out=out, resume=resume, force=force, log=click.echo)
+    except Interrupted as e:
+        click.echo(f"{e}; checkpoint saved. Continue with: glaswap distill --recipe {recipe_path} "
+                   f"{' '.join(overrides)} --resume".replace("  ", " "), err=True)
+        sys.exit(130)
+
+
+
+@main.command(name="eval")
+@click.argument("model", type=click.Path())
+@click.argument("more_texts", nargs=-1, metavar="")
+@click.option("--text", "texts", multiple=True, metavar="FILE [FILE ...]",
+              help="UTF-8 text files to score (several may follow --text).")
+@click.option("--teacher", default="auto", show_default=True,
+              help="auto: the source model recorded in MODEL/glaswap.json; self: MODEL's own softmax attention "
+                   "(the teacher before distillation, no second model); or a Hugging Face folder / .gguf file.")
+@click.option("--context", type=click.IntRange(2), default=512, show_default=True, help="Window length (tokens).")
+@click.option("--stride", type=click.IntRange(1), default=None,
+              help="Window step (default: the context). Below the context, the first context-stride tokens "
+                   "of each window are context only.")
+@click.option("--max-tokens", type=click.IntRange(2), default=None, help="Use at most N tokens of each file.")
+@click.option("--batch-size", type=click.IntRange(1), default=1, show_default=True, help="Windows per forward pass.")
+@click.option("--out", type=click.Path(file_okay=False), default=None,
+              help="Folder for the JSON and PNG (default: MODEL/eval).")
+@click.option("--device", default="auto", show_default=True, help="auto, cpu or cuda.")
+@click.option("--dtype", type=click.Choice(["auto", "float32", "bfloat16", "float16"]), default="auto",
+              show_default=True, help="auto: bfloat16 on CUDA, float32 on CPU.")
+@_friendly
+def eval_(model, more_texts, texts, teacher, context, stride, max_tokens, batch_size, out, device, dtype):
+    """Perplexity and bits per byte of MODEL and its teacher on identical windows of text files,
+    plus MODEL reading each file in one pass with its recurrent state (the "stateful" column)."""
+    from glaswap.evaluate import evaluate
+
+    evaluate(model, list(texts) + list(more_texts), teacher=teacher, context=context, stride=stride,
+             max_tokens=max_tokens, batch_size=batch_size, out=out, device=device, dtype=dtype, log=click.echo)
+
+
+@main.command()
+@click.argument("model", type=click.Path())
+@click.option("--prompt", default=None, help="Text to continue.")
+@click.option("--max-new-tokens", type=click.IntRange(1), default=128, show_default=True)
+@click.option("--temperature", type=click.FloatRange(0), default=0.0, show_default=True, help="0 is greedy.")
+@click.option("--seed", type=int, default=0, show_default=True, help="Seed for sampling.")
+@click.option("--graph", type=click.Choice(["auto", "on", "off"]), default="auto", show_default=True,
+              help="Replay each decode step from a CUDA graph (auto: on CUDA).")
+@click.option("--device", default="auto", show_default=True, help="auto, cpu or cuda.")
+@click.option("--bench", is_flag=True,
+              help="Instead of generating text, time decoding against the teacher at several contexts.")
+@click.option("--contexts", default=None,
+              help="Contexts for --bench, e.g. 1K,4K,16K,32K (default; 64,256 on CPU).")
+@click.option("--batch-size", type=click.IntRange(1), default=1, show_default=True, help="Rows for --bench.")
+@click.option("--new-tokens", type=click.IntRange(1), default=32, show_default=True,
+              help="Timed decode steps per context for --bench.")
+@click.option("--teacher", default="auto", show_default=True,
+              help="Teacher for --bench: auto (the source in glaswap.json), a folder / .gguf, or none.")
+@click.option("--out", type=click.Path(file_okay=False), default=None,
+              help="Folder for --bench's JSON and PNG (default: MODEL/eval).")
+@_friendly
+def generate(model, prompt, max_new_tokens, temperature, seed, graph, device, bench, contexts, batch_size,
+             new_tokens, teacher, out):
+    """Continue a prompt with MODEL (streamed), or with --bench compare its decode speed and memory
+    with the teacher's."""
+    from glaswap.generate import bench_model, generate_text, parse_contexts
+
+    if bench:
+        bench_model(model, teacher=teacher, contexts=parse_contexts(contexts) if contexts else None,
+                    batch_size=batch_size, new_tokens=new_tokens, graph=graph, device=device, out=out,
+                    log=click.echo)
+        return
+    if prompt is None:
+        raise click.UsageError("pass --prompt TEXT (or --bench)")
+    res = generate_text(model, prompt, max_new_tokens=max_new_tokens, temperature=temperature, seed=seed,
+                        device=device, graph=graph, log=click.echo)
+    click.echo(f"\n[{res['new_tokens']} tokens in {res['seconds']:.1f} s, {res['tokens_per_second']:.1f} tokens/s"
+               f"{', CUDA graph' if res['cuda_graph'] else ''}]", err=True)
 
 
 if __name__ == "__main__":

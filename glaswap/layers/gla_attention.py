@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from glaswap_kernels.gla_ops import chunk_gla, recurrent_gla
+from glaswap_kernels.gla_ops import HAS_TRITON, chunk_gla, recurrent_gla
 
 GATES = ("lowrank", "key", "scalar")
 FEATURE_MAPS = ("identity", "softmax", "hedgehog")
@@ -205,20 +205,43 @@ class GLAAttention(nn.Module):
             keep = attention_mask[:, -T:].to(v.dtype)[:, :, None, None]
             k, v, g = k * keep, v * keep, g * keep
         scale = self.head_dim ** -0.5 if cfg.feature_map == "identity" else 1.0
+        if cu_seqlens is not None and B > 1:
+            # Packed documents: the kernel takes one flat sequence with boundaries.
+            q, k, v, g = (t.reshape(1, B * T, *t.shape[2:]) for t in (q, k, v, g))
         state = cache.recurrent_state(self.layer_idx) if cache is not None else None
         if cache is not None and T == 1 and not torch.is_grad_enabled():
-            o, new_state = recurrent_gla(q, k, v, g, scale=scale, initial_state=state,
-                                         output_final_state=True, backend=cfg.gla_backend)
+            o, new_state = _decode_step(q, k, v, g, scale, state, cfg.gla_backend)
         else:
             o, new_state = chunk_gla(q, k, v, g, scale=scale, initial_state=state,
                                      output_final_state=cache is not None, cu_seqlens=cu_seqlens,
                                      backend=cfg.gla_backend)
         if cache is not None:
             cache.set_recurrent_state(self.layer_idx, new_state)
+        o = o.reshape(B, T, *o.shape[2:])
         if cfg.normalizer:
             num, den = o[..., :-1], o[..., -1:]
             o = num / (den.float() + cfg.normalizer_eps).to(num.dtype)
         return self.o_proj(o.reshape(B, T, -1))
+
+
+def _decode_step(q, k, v, g, scale, state, backend):
+    """One token of generation: (o [B, 1, H, V], new state [B, Hkv, K, V] float32).
+
+    The Triton kernel on CUDA (one launch); elsewhere a few batched tensor ops, since the
+    reference recurrence in gla_torch loops over the batch in Python. Same maths as
+    `recurrent_gla`: S = diag(exp(g)) S + k^T v, o = scale * q S.
+    """
+    if backend == "triton" or (backend == "auto" and HAS_TRITON and q.is_cuda):
+        return recurrent_gla(q, k, v, g, scale=scale, initial_state=state, output_final_state=True,
+                             backend=backend)
+    B, _, H, K = q.shape
+    Hkv, V = k.shape[2], v.shape[-1]
+    k1, v1, g1 = k[:, 0].float(), v[:, 0].float(), g[:, 0].float()          # [B, Hkv, K or V]
+    S = k1[..., :, None] * v1[..., None, :]
+    if state is not None:
+        S = torch.addcmul(S, g1.exp()[..., None], state)
+    o = torch.matmul(q[:, 0].float().view(B, Hkv, H // Hkv, K), S) * scale  # [B, Hkv, R, V]
+    return o.reshape(B, 1, H, V).to(q.dtype), S
 
 
 def _logit_for_decay(decay, normalizer):
@@ -236,9 +259,10 @@ def _softmax_mask(B, T, device, attention_mask, cu_seqlens, sliding_window):
     if sliding_window and T > sliding_window:
         allowed = allowed & (i[:, None] - i[None, :] < sliding_window)
     allowed = allowed[None, None]
-    if cu_seqlens is not None:
-        doc = torch.bucketize(i, cu_seqlens[1:-1].to(device), right=True)
-        allowed = allowed & (doc[:, None] == doc[None, :])[None, None]
+    if cu_seqlens is not None:  # documents packed into the B x T blocks (flattened offsets)
+        flat = torch.arange(B * T, device=device)
+        doc = torch.bucketize(flat, cu_seqlens[1:-1].to(device=device, dtype=torch.long), right=True).view(B, T)
+        allowed = allowed & (doc[:, :, None] == doc[:, None, :])[:, None]
     if attention_mask is not None and attention_mask.dim() == 2:
         keep = attention_mask[:, -T:].bool()
         allowed = allowed & keep[:, None, None, :]

@@ -51,6 +51,20 @@ class GLASwapCache(Cache):
     def get_mask_sizes(self, query_length, layer_idx=0):
         return self.seen_tokens + query_length, 0
 
+    @property
+    def batch_size(self):
+        return next((s.shape[0] for s in self.states if s is not None), -1)
+
+    @property
+    def is_croppable(self):
+        return False  # a recurrent state cannot be rolled back to an earlier token
+
+    def crop(self, tokens_to_remove):
+        if tokens_to_remove:
+            raise ValueError("a glaswap cache is a recurrent state and cannot be rolled back: assisted, "
+                             "speculative and contrastive decoding are not supported; use greedy, sampling "
+                             "or beam search")
+
     def reorder_cache(self, beam_idx):
         self.states = [s.index_select(0, beam_idx.to(s.device)) if s is not None else None for s in self.states]
 
@@ -128,6 +142,14 @@ class DecoderLayer(nn.Module):
         return hidden_states + self.mlp(self.post_attention_layernorm(hidden_states))
 
 
+def positions_from_cu_seqlens(cu_seqlens, B, T, device):
+    """Position of each token in its document, for B blocks of T tokens flattened by cu_seqlens."""
+    idx = torch.arange(B * T, device=device)
+    cu = cu_seqlens.to(device=device, dtype=torch.long)
+    doc = torch.bucketize(idx, cu[1:], right=True)
+    return (idx - cu[doc]).view(B, T)
+
+
 class GLASwapPreTrainedModel(PreTrainedModel):
     config_class = GLASwapConfig
     config: GLASwapConfig
@@ -188,13 +210,16 @@ class GLASwapModel(GLASwapPreTrainedModel):
         past = past_key_values.seen_tokens if past_key_values is not None else 0
         if position_ids is None:
             if cu_seqlens is not None:  # positions restart with every packed document
-                idx = torch.arange(T, device=inputs_embeds.device)
-                starts = cu_seqlens.to(idx.device)[torch.bucketize(idx, cu_seqlens[1:].to(idx.device), right=True)]
-                position_ids = (idx - starts)[None]
+                position_ids = positions_from_cu_seqlens(cu_seqlens, B, T, inputs_embeds.device)
             else:
                 position_ids = torch.arange(past, past + T, device=inputs_embeds.device)[None]
         position_embeddings = self.rotary_emb(inputs_embeds, position_ids)
-        if attention_mask is not None and bool(attention_mask.all()):
+        if past_key_values is not None and T == 1 and not torch.is_grad_enabled():
+            # A decode step: the new token is never padding (generate() appends a 1 for every
+            # row) and earlier padding never reached the state, so the mask is not needed;
+            # skipping the check below also saves a host-device sync per token.
+            attention_mask = None
+        elif attention_mask is not None and bool(attention_mask.all()):
             attention_mask = None  # no padding: skip the masking work
 
         hidden_states = inputs_embeds
@@ -220,6 +245,9 @@ class GLASwapForCausalLM(GLASwapPreTrainedModel, GenerationMixin):
         self.model = GLASwapModel(config)
         self.vocab_size = config.vocab_size
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        # Optional fast path for single-token decode steps (a CUDA graph of the whole step),
+        # installed by glaswap.generate.enable_decode_graph; None runs the eager path.
+        self.decode_runner = None
         self.post_init()
 
     def set_attention_mode(self, mode):
@@ -249,6 +277,10 @@ class GLASwapForCausalLM(GLASwapPreTrainedModel, GenerationMixin):
     def forward(self, input_ids=None, attention_mask=None, position_ids=None, past_key_values=None,
                 inputs_embeds=None, labels=None, use_cache=None, logits_to_keep=0, cu_seqlens=None,
                 **kwargs):
+        runner = self.decode_runner
+        if runner is not None and labels is None and runner.accepts(input_ids, inputs_embeds, past_key_values):
+            logits = runner.step(input_ids, position_ids, past_key_values)
+            return CausalLMOutputWithPast(logits=logits, past_key_values=past_key_values)
         out = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                          past_key_values=past_key_values, inputs_embeds=inputs_embeds,
                          use_cache=use_cache, cu_seqlens=cu_seqlens)

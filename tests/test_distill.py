@@ -1,0 +1,222 @@
+"""`glaswap distill`: recipes, data packing, losses, a tiny end-to-end run, resume and bad input."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import yaml
+from click.testing import CliRunner
+from helpers import REPO, run_without_glaswap, save_teacher, tiny_teacher
+from safetensors.torch import load_file
+
+from glaswap.cli import main
+from glaswap.distill import data as D
+from glaswap.distill import distill, load_recipe
+from glaswap.distill.losses import kd_loss, next_token_labels
+from glaswap.distill.train import Interrupted
+from glaswap.errors import GlaswapError
+
+RECIPES = sorted((REPO / "recipes").glob("*.yaml"))
+
+
+# ----------------------------------------------------------------------------- recipes
+def test_every_shipped_recipe_validates_and_names_its_command():
+    names = {p.name for p in RECIPES}
+    assert {"smollm2-135m-demo.yaml", "smollm2-135m.yaml", "llama-3.2-1b.yaml", "llama-3.1-8b.yaml"} <= names
+    for path in RECIPES:
+        recipe = load_recipe(path)
+        first = path.read_text().splitlines()[0]
+        assert first.startswith("# ") and f"--recipe recipes/{path.name}" in first, (path, first)
+        assert "glaswap distill" in first or "torchrun" in first
+        assert recipe.stage2.lora_rank >= 1 and recipe.data.train
+
+
+def test_overrides_and_errors(tmp_path):
+    demo = REPO / "recipes" / "smollm2-135m-demo.yaml"
+    r = load_recipe(demo, ["stage2.lr=1e-4", "data.seq_len=128", "model.options.gate=key", "train.device=cpu"])
+    assert r.stage2.lr == 1e-4 and r.data.seq_len == 128 and r.model.options["gate"] == "key"
+    cases = {
+        "stage2.lrr=1": "unknown recipe key stage2.lrr; allowed here: steps, lr",
+        "stage1.steps=many": "recipe key stage1.steps: expected an integer, got 'many'",
+        "data.train=3": "recipe key data.train: expected a list of a mapping",
+        "model.options.gate=bogus": "invalid gate 'bogus'",
+        "stage2.lr=-1": "recipe key stage2.lr: must be > 0",
+        "oops": "not key=value",
+    }
+    for override, message in cases.items():
+        with pytest.raises(GlaswapError) as err:
+            load_recipe(demo, [override])
+        assert message in str(err.value) and "\n" not in str(err.value), str(err.value)
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("model:\n  source: x\n  colour: blue\n")
+    with pytest.raises(GlaswapError, match="unknown recipe key model.colour"):
+        load_recipe(bad)
+    bad.write_text("model: [unclosed\n")
+    with pytest.raises(GlaswapError, match="not valid YAML at line"):
+        load_recipe(bad)
+
+
+# ----------------------------------------------------------------------------- data
+def _tokens(doc_lens, vocab=100, seed=0):
+    rng = np.random.default_rng(seed)
+    ids = rng.integers(0, vocab, size=int(sum(doc_lens))).astype(np.uint32)
+    return D.Tokens(ids, np.asarray(doc_lens, dtype=np.int64))
+
+
+def test_packing_keeps_document_boundaries():
+    toks = _tokens([5, 30, 3, 40])          # 78 tokens -> 4 blocks of 16 (14 dropped)
+    blocks = D.PackedBlocks(toks, 16)
+    assert len(blocks) == 4
+    batch = blocks.batch([0, 2])
+    # block 0: docs start at 0 and 5; block 2 (tokens 32..47): doc starts at 35 -> 3, and 38 -> 6
+    assert batch["cu_seqlens"].tolist() == [0, 5, 16, 16 + 3, 16 + 6, 32]
+    assert torch.equal(batch["input_ids"][1], torch.from_numpy(toks.ids[32:48].astype(np.int64)))
+    labels = next_token_labels(batch["input_ids"], batch["cu_seqlens"])
+    ignored = (labels == -100).nonzero().flatten().tolist()
+    assert ignored == [4, 15, 18, 21, 31]
+    plain = D.PackedBlocks(_tokens([64]), 16).batch([1, 3])
+    assert plain["cu_seqlens"] is None       # no boundary inside: plain [B, T] batch
+
+
+def test_heldout_split_and_order_independent_of_world_size():
+    train, held = D.split_heldout(_tokens([50] * 20), 0.1)
+    assert (train.n_tokens, held.n_tokens) == (900, 100) and held.doc_lens.tolist() == [50, 50]
+    train, held = D.split_heldout(_tokens([1000]), 0.1)   # one document: split inside it
+    assert (train.n_tokens, held.n_tokens) == (900, 100)
+    one = [D.batch_indices(37, 5, step=3, micro=1, accum=2, batch_size=4, rank=0, world=1)]
+    # Two processes with half the per-rank batch see the same global batch, split in two.
+    two = [D.batch_indices(37, 5, step=3, micro=1, accum=2, batch_size=2, rank=r, world=2) for r in (0, 1)]
+    assert one[0] == two[0] + two[1]
+
+
+def test_kd_loss_chunked_equals_direct():
+    torch.manual_seed(0)
+    h_s = torch.randn(50, 8, requires_grad=True)
+    h_t = torch.randn(50, 8)
+    w = torch.randn(30, 8)
+    labels = torch.randint(0, 30, (50,))
+    labels[7] = -100
+    chunked = kd_loss(h_s, h_t, w, labels, ce_weight=0.5, temperature=2.0, chunk_tokens=16)
+    (g_chunked,) = torch.autograd.grad(chunked, h_s)
+    lt, ls = (h_t @ w.t()) / 2, (h_s @ w.t()) / 2
+    kl = torch.nn.functional.kl_div(ls.log_softmax(-1), lt.log_softmax(-1), log_target=True, reduction="sum") * 4
+    ce = torch.nn.functional.cross_entropy(h_s @ w.t(), labels, ignore_index=-100, reduction="sum")
+    direct = (kl + 0.5 * ce) / 50
+    (g_direct,) = torch.autograd.grad(direct, h_s)
+    torch.testing.assert_close(chunked, direct, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(g_chunked, g_direct, rtol=1e-5, atol=1e-6)
+
+
+# ----------------------------------------------------------------------------- tiny runs
+def _tiny_recipe(tmp_path, s1=4, s2=4, every=2, **extra):
+    """A recipe for a tiny random Llama and random pre-tokenised documents (no tokenizer)."""
+    src = tmp_path / "teacher"
+    if not src.exists():
+        save_teacher(tiny_teacher("llama", vocab=128), src)
+        rng = np.random.default_rng(0)
+        lens = rng.integers(5, 90, size=60)
+        np.savez(tmp_path / "train.npz", ids=rng.integers(0, 128, int(lens.sum())).astype(np.uint16),
+                 doc_lens=lens)
+    recipe = {
+        "name": "tiny",
+        "model": {"source": str(src), "options": {"gate": "lowrank"}},
+        "data": {"train": [{"path": str(tmp_path / "train.npz")}], "seq_len": 32, "heldout_fraction": 0.1,
+                 "eval_tokens": 256},
+        "stage1": {"steps": s1, "lr": 1e-2, "batch_size": 2, "warmup_steps": 1},
+        "stage2": {"steps": s2, "lr": 1e-3, "batch_size": 2, "grad_accum": 2, "warmup_steps": 1, "ce_weight": 0.1},
+        "train": {"device": "cpu", "checkpoint_every": every},
+    }
+    for key, value in extra.items():
+        recipe[key].update(value)
+    path = tmp_path / "tiny.yaml"
+    path.write_text("# glaswap distill --recipe tiny.yaml\n" + yaml.safe_dump(recipe))
+    return path
+
+
+def _quiet(*_args, **_kwargs):
+    pass
+
+
+def test_tiny_distill_end_to_end(tmp_path):
+    recipe = load_recipe(_tiny_recipe(tmp_path, s1=6, s2=4))
+    out = tmp_path / "out"
+    meta = distill(recipe, out=out, log=_quiet)
+    for name in ("model.safetensors", "config.json", "glaswap.json", "modeling_glaswap.py", "recipe.yaml",
+                 "metrics.jsonl", "loss.png", "eval.json", "adapter/adapter_model.safetensors",
+                 "adapter/adapter_config.json", "adapter/glaswap_new_parameters.safetensors"):
+        assert (out / name).is_file(), name
+    assert not (tmp_path / "out.run").exists(), "the work folder should go once the run is complete"
+    ev = meta["eval"]
+    assert ev["stage1"]["tokens"] > 0 and np.isfinite(ev["stage2"]["student_ppl"])
+    assert meta["distill"]["heldout_tokens"] > 0
+    losses = [r["loss"] for r in map(__import__("json").loads, (out / "metrics.jsonl").read_text().splitlines())
+              if r.get("stage") == 1 and "loss" in r]
+    assert len(losses) == 6 and losses[-1] < losses[0], losses
+    assert load_recipe(out / "recipe.yaml").stage1.steps == 6   # the resolved recipe is a valid recipe
+
+    code = f"""
+import torch
+from transformers import AutoModelForCausalLM
+m = AutoModelForCausalLM.from_pretrained({str(out)!r}, trust_remote_code=True, dtype=torch.float32)
+with torch.no_grad():
+    print("finite", bool(torch.isfinite(m(torch.arange(40)[None] % 128).logits).all()))
+"""
+    proc = run_without_glaswap(code, tmp_path)
+    assert proc.returncode == 0 and "finite True" in proc.stdout, proc.stderr[-2000:]
+
+
+@pytest.mark.parametrize("stop", [(1, 3), (2, 1)])
+def test_resume_gives_the_same_weights(tmp_path, stop):
+    path = _tiny_recipe(tmp_path)
+    ref = distill(load_recipe(path), out=tmp_path / "ref", log=_quiet)
+    with pytest.raises(Interrupted):
+        distill(load_recipe(path), out=tmp_path / "run", log=_quiet, stop_after=stop)
+    assert not (tmp_path / "run").exists() and (tmp_path / "run.run" / "checkpoints").is_dir()
+    with pytest.raises(GlaswapError, match="pass --resume"):
+        distill(load_recipe(path), out=tmp_path / "run", log=_quiet)
+    resumed = distill(load_recipe(path), out=tmp_path / "run", resume=True, log=_quiet)
+    a = load_file(str(tmp_path / "ref" / "model.safetensors"))
+    b = load_file(str(tmp_path / "run" / "model.safetensors"))
+    assert a.keys() == b.keys()
+    for name in a:
+        assert torch.equal(a[name], b[name]), name
+    assert resumed["eval"]["stage2"] == ref["eval"]["stage2"]
+
+
+# ----------------------------------------------------------------------------- bad input
+def _cli_error(args):
+    result = CliRunner().invoke(main, ["distill", *map(str, args)])
+    lines = [line for line in result.output.strip().splitlines() if line.strip()]
+    assert result.exit_code != 0 and len(lines) == 1 and lines[0].startswith("Error:"), result.output
+    return lines[0]
+
+
+def test_bad_inputs_one_line_each(tmp_path):
+    path = _tiny_recipe(tmp_path)
+    assert "recipe" in _cli_error(["--recipe", tmp_path / "missing.yaml"])
+    assert "unknown recipe key stage1.stepz" in _cli_error(["--recipe", path, "stage1.stepz=3"])
+    line = _cli_error(["--recipe", path, f"data.train=[{{path: {tmp_path / 'nope.txt'}}}]"])
+    assert "nope.txt does not exist" in line
+    empty = tmp_path / "empty.txt"
+    empty.write_text("   \n")
+    line = _cli_error(["--recipe", path, f"data.train=[{{path: {empty}}}]", "--out", tmp_path / "o1"])
+    assert "empty.txt is empty" in line
+    (tmp_path / "exists").mkdir()
+    assert "already exists" in _cli_error(["--recipe", path, "--out", tmp_path / "exists"])
+    assert "nothing to resume" in _cli_error(["--recipe", path, "--out", tmp_path / "fresh", "--resume"])
+
+
+@pytest.mark.slow
+def test_demo_recipe_runs_on_the_real_model(tmp_path):
+    """The README's main job, shortened: real SmolLM2, real Shakespeare and Milton."""
+    recipe = load_recipe(REPO / "recipes" / "smollm2-135m-demo.yaml",
+                         ["stage1.steps=2", "stage2.steps=2", "data.eval_tokens=512"])
+    meta = distill(recipe, out=tmp_path / "demo", log=_quiet)
+    ev = meta["eval"]
+    assert 10 < ev["stage2"]["teacher_ppl"] < 200, ev     # Milton under SmolLM2
+    assert np.isfinite(ev["stage2"]["student_ppl"])
+    assert meta["distill"]["train_tokens"] > 1_000_000     # all of Gutenberg Shakespeare
+    assert (tmp_path / "demo" / "tokenizer.json").is_file()
