@@ -49,7 +49,8 @@ def gutenberg(folder: str):
 
 
 def split_docs(docs, every=50):
-    """Every `every`-th document goes to the held-out set (2%)."""
+    """Every `every`-th document goes to the held-out set (2%; one document of a small source)."""
+    every = max(2, min(every, len(docs)))
     train, held = [], []
     for i, d in enumerate(docs):
         (held if i % every == every - 1 else train).append(d)
@@ -57,7 +58,7 @@ def split_docs(docs, every=50):
 
 
 def save(path: Path, toks: Tokens):
-    assert toks.ids.max() < 2 ** 16
+    assert toks.n_tokens and toks.ids.max() < 2 ** 16
     np.savez(path, ids=toks.ids.astype(np.uint16), doc_lens=toks.doc_lens)
     print(f"{path}: {toks.n_tokens:,} tokens, {len(toks.doc_lens):,} documents")
 

@@ -77,8 +77,10 @@ def convert(source, out, gate, gate_rank, gate_init_decay, feature_map, normaliz
 @click.option("--out", type=click.Path(file_okay=False), help="Output folder (default: the recipe's output.dir).")
 @click.option("--resume", is_flag=True, help="Continue an interrupted run from its last checkpoint.")
 @click.option("--force", is_flag=True, help="Replace an existing output folder and unfinished run.")
+@click.option("--stop-after", metavar="STAGE:STEP", default=None,
+              help="Stop like Ctrl-C after that step (checkpoint written), e.g. 1:50; resume later.")
 @_friendly
-def distill(recipe_path, overrides, out, resume, force):
+def distill(recipe_path, overrides, out, resume, force, stop_after):
     """Distil a converted model from its teacher, as a recipe says.
 
     OVERRIDES are key.sub=value pairs, e.g. stage2.lr=1e-4 data.seq_len=1024.
@@ -87,8 +89,15 @@ def distill(recipe_path, overrides, out, resume, force):
     from glaswap.distill.train import Interrupted
 
     recipe = load_recipe(recipe_path, overrides)
+    stop = None
+    if stop_after:
+        try:
+            stage, step = (int(x) for x in stop_after.split(":"))
+            stop = (stage, step)
+        except ValueError:
+            raise GlaswapError(f"--stop-after {stop_after!r}: write STAGE:STEP, e.g. 1:50")
     try:
-        run(recipe, out=out, resume=resume, force=force, log=click.echo)
+        run(recipe, out=out, resume=resume, force=force, log=click.echo, stop_after=stop)
     except Interrupted as e:
         click.echo(f"{e}; checkpoint saved. Continue with: glaswap distill --recipe {recipe_path} "
                    f"{' '.join(overrides)} --resume".replace("  ", " "), err=True)

@@ -9,7 +9,9 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import torch
+import yaml
 
 ARCHS = ("llama", "mistral", "qwen2", "qwen3")
 REPO = Path(__file__).resolve().parents[1]
@@ -77,3 +79,28 @@ def run_without_glaswap(code: str, cwd: Path) -> subprocess.CompletedProcess:
 
 def read_json(path: Path):
     return json.loads(Path(path).read_text())
+
+
+def tiny_recipe(tmp_path, s1=4, s2=4, every=2, **extra):
+    """A recipe for a tiny random Llama and random pre-tokenised documents (no tokenizer)."""
+    src = tmp_path / "teacher"
+    if not src.exists():
+        save_teacher(tiny_teacher("llama", vocab=128), src)
+        rng = np.random.default_rng(0)
+        lens = rng.integers(5, 90, size=60)
+        np.savez(tmp_path / "train.npz", ids=rng.integers(0, 128, int(lens.sum())).astype(np.uint16),
+                 doc_lens=lens)
+    recipe = {
+        "name": "tiny",
+        "model": {"source": str(src), "options": {"gate": "lowrank"}},
+        "data": {"train": [{"path": str(tmp_path / "train.npz")}], "seq_len": 32, "heldout_fraction": 0.1,
+                 "eval_tokens": 256},
+        "stage1": {"steps": s1, "lr": 1e-2, "batch_size": 2, "warmup_steps": 1},
+        "stage2": {"steps": s2, "lr": 1e-3, "batch_size": 2, "grad_accum": 2, "warmup_steps": 1, "ce_weight": 0.1},
+        "train": {"device": "cpu", "checkpoint_every": every},
+    }
+    for key, value in extra.items():
+        recipe[key].update(value)
+    path = tmp_path / "tiny.yaml"
+    path.write_text("# glaswap distill --recipe tiny.yaml\n" + yaml.safe_dump(recipe))
+    return path

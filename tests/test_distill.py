@@ -9,7 +9,7 @@ import pytest
 import torch
 import yaml
 from click.testing import CliRunner
-from helpers import REPO, run_without_glaswap, save_teacher, tiny_teacher
+from helpers import REPO, run_without_glaswap, tiny_recipe
 from safetensors.torch import load_file
 
 from glaswap.cli import main
@@ -111,37 +111,12 @@ def test_kd_loss_chunked_equals_direct():
 
 
 # ----------------------------------------------------------------------------- tiny runs
-def _tiny_recipe(tmp_path, s1=4, s2=4, every=2, **extra):
-    """A recipe for a tiny random Llama and random pre-tokenised documents (no tokenizer)."""
-    src = tmp_path / "teacher"
-    if not src.exists():
-        save_teacher(tiny_teacher("llama", vocab=128), src)
-        rng = np.random.default_rng(0)
-        lens = rng.integers(5, 90, size=60)
-        np.savez(tmp_path / "train.npz", ids=rng.integers(0, 128, int(lens.sum())).astype(np.uint16),
-                 doc_lens=lens)
-    recipe = {
-        "name": "tiny",
-        "model": {"source": str(src), "options": {"gate": "lowrank"}},
-        "data": {"train": [{"path": str(tmp_path / "train.npz")}], "seq_len": 32, "heldout_fraction": 0.1,
-                 "eval_tokens": 256},
-        "stage1": {"steps": s1, "lr": 1e-2, "batch_size": 2, "warmup_steps": 1},
-        "stage2": {"steps": s2, "lr": 1e-3, "batch_size": 2, "grad_accum": 2, "warmup_steps": 1, "ce_weight": 0.1},
-        "train": {"device": "cpu", "checkpoint_every": every},
-    }
-    for key, value in extra.items():
-        recipe[key].update(value)
-    path = tmp_path / "tiny.yaml"
-    path.write_text("# glaswap distill --recipe tiny.yaml\n" + yaml.safe_dump(recipe))
-    return path
-
-
 def _quiet(*_args, **_kwargs):
     pass
 
 
 def test_tiny_distill_end_to_end(tmp_path):
-    recipe = load_recipe(_tiny_recipe(tmp_path, s1=6, s2=4))
+    recipe = load_recipe(tiny_recipe(tmp_path, s1=6, s2=4))
     out = tmp_path / "out"
     meta = distill(recipe, out=out, log=_quiet)
     for name in ("model.safetensors", "config.json", "glaswap.json", "modeling_glaswap.py", "recipe.yaml",
@@ -170,7 +145,7 @@ with torch.no_grad():
 
 @pytest.mark.parametrize("stop", [(1, 3), (2, 1)])
 def test_resume_gives_the_same_weights(tmp_path, stop):
-    path = _tiny_recipe(tmp_path)
+    path = tiny_recipe(tmp_path)
     ref = distill(load_recipe(path), out=tmp_path / "ref", log=_quiet)
     with pytest.raises(Interrupted):
         distill(load_recipe(path), out=tmp_path / "run", log=_quiet, stop_after=stop)
@@ -195,7 +170,7 @@ def _cli_error(args):
 
 
 def test_bad_inputs_one_line_each(tmp_path):
-    path = _tiny_recipe(tmp_path)
+    path = tiny_recipe(tmp_path)
     assert "recipe" in _cli_error(["--recipe", tmp_path / "missing.yaml"])
     assert "unknown recipe key stage1.stepz" in _cli_error(["--recipe", path, "stage1.stepz=3"])
     line = _cli_error(["--recipe", path, f"data.train=[{{path: {tmp_path / 'nope.txt'}}}]"])

@@ -200,7 +200,7 @@ def load_tokens(spec: DataSource, tokenizer, log=print, vocab_size=None) -> Toke
     log(f"tokenising {what} ...")
     toks = _tokenize(docs, tokenizer, spec.max_tokens)
     cached.parent.mkdir(parents=True, exist_ok=True)
-    tmp = cached.with_suffix(".tmp.npz")
+    tmp = cached.with_name(f"{cached.stem}.{os.getpid()}.tmp.npz")  # one per process under torchrun
     np.savez(tmp, ids=toks.ids, doc_lens=toks.doc_lens)
     os.replace(tmp, cached)
     return toks

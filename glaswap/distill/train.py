@@ -115,7 +115,7 @@ def save_checkpoint(run: Path, stage: int, step: int, model, optimizer, schedule
     It holds every trainable parameter and the new (gate, feature-map) parameters even when
     they are frozen, so a stage-2 checkpoint alone restores the whole student.
     """
-    state = dist.gather_trainable(model, keep=set(model.new_parameter_names()))  # all ranks; rank 0 writes
+    state = dist.gather_trainable(model, model._glaswap_trainable)  # all ranks take part; rank 0 writes
     optim_state = dist.optimizer_state(model, optimizer)
     if not dist.is_main:
         dist.barrier()
@@ -150,12 +150,12 @@ def latest_checkpoint(run: Path):
     return best
 
 
-def _load_trainable(model, folder: Path):
-    state = load_file(str(folder / "trainable.safetensors"))
+def copy_state(model, state: dict[str, torch.Tensor], source="checkpoint"):
+    """Copy named tensors into a model's parameters (in their dtype)."""
     params = dict(model.named_parameters())
     missing = [n for n in state if n not in params]
     if missing:
-        raise GlaswapError(f"checkpoint {folder} does not match the model ({missing[0]}); restart with --force")
+        raise GlaswapError(f"{source} does not match the model ({missing[0]}); restart with --force")
     with torch.no_grad():
         for name, value in state.items():
             params[name].copy_(value.to(params[name].dtype))
@@ -188,17 +188,30 @@ def _to_device(batch, device):
 
 def _transfer_step(lm, batch):
     """Stage 1: mean over layers of the MSE between GLA and softmax attention outputs."""
-    lm.model(input_ids=batch["input_ids"], cu_seqlens=batch["cu_seqlens"], use_cache=False)
-    losses = [layer.self_attn.transfer_loss for layer in lm.model.layers]
-    for layer in lm.model.layers:
-        layer.self_attn.transfer_loss = None
-    return torch.stack(losses).mean()
+    out = lm.model(input_ids=batch["input_ids"], cu_seqlens=batch["cu_seqlens"], use_cache=False)
+    return torch.stack(out.transfer_losses).mean()
+
+
+@contextlib.contextmanager
+def adapters_off(model):
+    """LoRA layers pass their base layer's output through, as peft's disable_adapter() does,
+    but without its side effect of toggling requires_grad: under FSDP2 that toggle lands on
+    whichever parameter objects (sharded or gathered) the module holds at that moment."""
+    layers = [m for m in model.modules() if hasattr(m, "_disable_adapters")]
+    before = [m._disable_adapters for m in layers]
+    for m in layers:
+        m._disable_adapters = True
+    try:
+        yield
+    finally:
+        for m, b in zip(layers, before):
+            m._disable_adapters = b
 
 
 def _kd_step(lm, peft_model, batch, cfg):
     """Stage 2: teacher hidden states (adapters off, softmax) then the student's, KL on logits."""
     ids, cu = batch["input_ids"], batch["cu_seqlens"]
-    with torch.no_grad(), peft_model.disable_adapter(), lm.attention_mode("softmax"):
+    with torch.no_grad(), adapters_off(lm), lm.attention_mode("softmax"):
         h_t = lm.model(input_ids=ids, cu_seqlens=cu, use_cache=False).last_hidden_state
     h_s = lm.model(input_ids=ids, cu_seqlens=cu, use_cache=False).last_hidden_state
     labels = next_token_labels(ids, cu)
@@ -206,12 +219,12 @@ def _kd_step(lm, peft_model, batch, cfg):
                    cfg.kd_temperature, cfg.loss_chunk_tokens)
 
 
-def _run_stage(stage, cfg, step_fn, model_for_grads, blocks, recipe, run, start_step, optimizer, scheduler,
-               dist, metrics, device, dtype, log, stop_after):
+def _run_stage(stage, cfg, step_fn, model_for_grads, optimizer, blocks, recipe, run, start_step, scheduler,
+               dist, metrics, device, dtype, stop_after):
     """The shared loop of both stages: micro-batches, clipping, logging, checkpoints, Ctrl-C."""
     if cfg.steps == 0 or start_step >= cfg.steps:
         return
-    params = [p for p in model_for_grads.parameters() if p.requires_grad]
+    params = [p for group in optimizer.param_groups for p in group["params"]]
     tokens_per_step = cfg.batch_size * cfg.grad_accum * dist.world * blocks.seq_len
     bar = tqdm(total=cfg.steps, initial=start_step, desc=f"stage {stage}", unit="step",
                disable=not dist.is_main, dynamic_ncols=True)
@@ -232,7 +245,7 @@ def _run_stage(stage, cfg, step_fn, model_for_grads, blocks, recipe, run, start_
             grad_norm = torch.nn.utils.clip_grad_norm_(params, 1.0)
             optimizer.step()
             scheduler.step()
-            optimizer.zero_grad(set_to_none=True)
+            model_for_grads.zero_grad(set_to_none=True)  # also the grads this stage does not train
             loss_value = dist.mean(total)
             dt = time.time() - t0
             tok_s = tokens_per_step / max(dt, 1e-9)
@@ -265,12 +278,18 @@ def evaluate_blocks(lm, peft_model, blocks, max_tokens, batch_size, device, dtyp
     n = min(len(blocks), max(1, max_tokens // blocks.seq_len))
     sums = torch.zeros(3, dtype=torch.float64, device=device)   # teacher nll, student nll, tokens
     lm.eval()
-    for start in range(dist.rank * batch_size, n, batch_size * dist.world):
+    # Every process runs the same number of forwards (sharded layers gather collectively);
+    # a process with nothing left scores a repeat of the first batch with weight 0.
+    per_round = batch_size * dist.world
+    for round_start in range(0, n, per_round):
+        start = round_start + dist.rank * batch_size
+        weight = 1.0 if start < n else 0.0
+        start = start if start < n else 0
         batch = _to_device(blocks.batch(range(start, min(n, start + batch_size))), device)
         ids, cu = batch["input_ids"], batch["cu_seqlens"]
         labels = next_token_labels(ids, cu)
         valid = labels != -100
-        off = peft_model.disable_adapter() if peft_model is not None else contextlib.nullcontext()
+        off = adapters_off(lm)
         with _autocast(device, dtype):
             with off, lm.attention_mode("softmax"):
                 t_logits = lm(input_ids=ids, cu_seqlens=cu, use_cache=False).logits
@@ -278,8 +297,8 @@ def evaluate_blocks(lm, peft_model, blocks, max_tokens, batch_size, device, dtyp
         for i, logits in enumerate((t_logits, s_logits)):
             nll = torch.nn.functional.cross_entropy(logits.flatten(0, 1).float()[valid], labels[valid],
                                                     reduction="sum")
-            sums[i] += nll.double()
-        sums[2] += valid.sum()
+            sums[i] += weight * nll.double()
+        sums[2] += weight * valid.sum()
     lm.train()
     sums = dist.sum(sums)
     t, s, count = sums.tolist()
@@ -308,18 +327,20 @@ def _plot_losses(records, path: Path):
     plt.close(fig)
 
 
-def _save_final(out, force, lm, peft_model, tokenizer, recipe, run, meta, out_dtype, log):
+def _save_final(out, force, trained, tokenizer, recipe, run, meta, out_dtype, log):
+    """Rebuild the student on the CPU from the converted model and the trained tensors, merge
+    LoRA in float32, and write OUT (and OUT/adapter) atomically."""
+    lm, peft_model, new_names, _ = build_student(run / "converted", recipe, torch.float32)
+    copy_state(lm, trained)
     with output_folder(out, force=force) as tmp:
         if peft_model is not None and recipe.output.save_adapter:
             adapter = tmp / "adapter"
             peft_model.save_pretrained(str(adapter))
-            names = set(lm.new_parameter_names())
-            new = {n: p.detach().float().cpu().contiguous() for n, p in lm.named_parameters() if n in names}
-            save_file(new, str(adapter / "glaswap_new_parameters.safetensors"))
+            save_file({n: trained[n] for n in sorted(new_names)}, str(adapter / "glaswap_new_parameters.safetensors"))
             (adapter / "README.md").write_text(
-                "LoRA adapter of a glaswap distillation (peft), for the converted model in\n"
-                f"`{meta['converted']}`; `glaswap_new_parameters.safetensors` holds the trained gates and\n"
-                "feature maps, which the adapter alone does not carry. The folder above has them merged.\n")
+                "LoRA adapter of a glaswap distillation (peft), for the converted model of the same run;\n"
+                "`glaswap_new_parameters.safetensors` holds the trained gates and feature maps, which the\n"
+                "adapter alone does not carry. The folder above has both merged into the weights.\n")
         if peft_model is not None:
             lm = peft_model.merge_and_unload()
         lm = lm.to(dtype=out_dtype)
@@ -330,8 +351,7 @@ def _save_final(out, force, lm, peft_model, tokenizer, recipe, run, meta, out_dt
         shutil.copyfile(run / "recipe.yaml", tmp / "recipe.yaml")
         if (run / "metrics.jsonl").is_file():
             shutil.copyfile(run / "metrics.jsonl", tmp / "metrics.jsonl")
-        records = Metrics(run / "metrics.jsonl", True).read()
-        _plot_losses(records, tmp / "loss.png")
+        _plot_losses(Metrics(run / "metrics.jsonl", True).read(), tmp / "loss.png")
         (tmp / "glaswap.json").write_text(json.dumps(meta, indent=2) + "\n")
         (tmp / "eval.json").write_text(json.dumps(meta.get("eval", {}), indent=2) + "\n")
 
@@ -349,16 +369,16 @@ def distill(recipe: Recipe, out=None, resume: bool = False, force: bool = False,
 
     dist = setup_distributed(recipe.train.distributed)
     out, run = _paths(recipe, out)
-    if dist.is_main:
-        _check_folders(out, run, resume, force)
+    _check_folders(out, run, resume, force)   # every rank: they all see the same folders
     _check_data_paths(recipe)
+    dist.barrier()
     device, dtype = _device_dtype(recipe, dist)
     if recipe.train.threads and device.type == "cpu":
         torch.set_num_threads(recipe.train.threads)
     log = log if dist.is_main else (lambda *a, **k: None)
 
-    # ---- the run folder: converted model, resolved recipe, metrics
-    if dist.is_main:
+    def prepare_run_folder():
+        """The run folder: resolved recipe, and the converted (step-0) model."""
         if force:
             shutil.rmtree(run, ignore_errors=True)
         run.mkdir(parents=True, exist_ok=True)
@@ -371,7 +391,8 @@ def distill(recipe: Recipe, out=None, resume: bool = False, force: bool = False,
             shutil.rmtree(run / "converted", ignore_errors=True)
             convert(recipe.model.source, run / "converted", options=recipe.model.options,
                     seed=recipe.model.seed, log=log)
-    dist.barrier()
+
+    dist.main_only(prepare_run_folder)
     converted = run / "converted"
     step0 = json.loads((converted / "glaswap.json").read_text()).get("step0", {})
 
@@ -391,79 +412,62 @@ def distill(recipe: Recipe, out=None, resume: bool = False, force: bool = False,
         f"{heldout.n_tokens:,} held out, {eval_tokens.n_tokens:,} for evaluation")
 
     torch.manual_seed(recipe.train.seed)
-    lm = GLASwapForCausalLM.from_pretrained(str(converted), dtype=dtype).to(device)
+    # FSDP shards need one dtype per layer: keep float32 there and gather in the compute dtype.
+    lm, peft_model, new_names, lora_names = build_student(converted, recipe,
+                                                          torch.float32 if dist.mode == "fsdp" else dtype)
+    lm._glaswap_compute_dtype = dtype
+    lm._glaswap_trainable = new_names | lora_names   # what checkpoints and the final save carry
     lm.train()
-    if recipe.train.gradient_checkpointing:
-        lm.gradient_checkpointing_enable()
-    new_names = set(lm.new_parameter_names())
-    for name, p in lm.named_parameters():
-        p.requires_grad_(name in new_names)
-        if name in new_names:
-            p.data = p.data.float()  # optimizer updates in float32 even when the model is bf16
+    dist.wrap(lm, device)  # once: the module structure is fixed from here on
 
     metrics = Metrics(run / "metrics.jsonl", dist.is_main)
     ckpt = latest_checkpoint(run) if resume else None
     start_stage, start_step = (ckpt[0], ckpt[1]) if ckpt else (1, 0)
     if ckpt:
         metrics.truncate_after(start_stage, start_step)
+        dist.load_trainable(lm, ckpt[2])
         log(f"resuming stage {start_stage} after step {start_step}")
     elif dist.is_main:
         metrics.path.unlink(missing_ok=True)
         metrics.log(stage=0, step=0, event="step0", **step0)
     eval_bs = max(recipe.stage1.batch_size, recipe.stage2.batch_size)
     evals = {"step0": step0}
+    params = dict(lm.named_parameters())
 
-    # ---- stage 1: attention transfer
+    # ---- stage 1: attention transfer (gates and feature maps only)
     s1 = recipe.stage1
     if start_stage == 1 and s1.steps > 0:
         for layer in lm.model.layers:
             layer.self_attn.transfer = True
-        dist.wrap(lm, device)
-        opt, sched = _optimizer([p for p in lm.parameters() if p.requires_grad], s1, s1.steps)
-        if ckpt and ckpt[0] == 1:
-            _load_trainable(lm, ckpt[2])
+        opt, sched = _optimizer([params[n] for n in sorted(new_names)], s1, s1.steps)
+        if ckpt:
             _restore_optimizer(ckpt[2], opt, sched, dist, lm)
         with lm.attention_mode("softmax"):
-            _run_stage(1, s1, lambda b: _transfer_step(lm, b), lm, blocks, recipe, run, start_step, opt, sched,
-                       dist, metrics, device, dtype, log, stop_after)
+            _run_stage(1, s1, lambda b: _transfer_step(lm, b), lm, opt, blocks, recipe, run, start_step, sched,
+                       dist, metrics, device, dtype, stop_after)
         for layer in lm.model.layers:
             layer.self_attn.transfer = False
-    elif start_stage == 2 and s1.steps > 0:
-        pass  # stage 1's result is inside the stage-2 checkpoint
-    if recipe.train.eval_after_stage1 and s1.steps > 0 and start_stage == 1:
-        evals["stage1"] = evaluate_blocks(lm, None, eval_blocks, recipe.data.eval_tokens, eval_bs, device, dtype,
-                                          dist)
-        if evals["stage1"]:
-            metrics.log(stage=1, step=s1.steps, event="eval", **evals["stage1"])
-            log(f"after stage 1: teacher ppl {evals['stage1']['teacher_ppl']:.2f}, "
-                f"student ppl {evals['stage1']['student_ppl']:.2f}")
+        if recipe.train.eval_after_stage1:
+            evals["stage1"] = evaluate_blocks(lm, None, eval_blocks, recipe.data.eval_tokens, eval_bs, device,
+                                              dtype, dist)
+            if evals["stage1"]:
+                metrics.log(stage=1, step=s1.steps, event="eval", **evals["stage1"])
+                log(f"after stage 1: teacher ppl {evals['stage1']['teacher_ppl']:.2f}, "
+                    f"student ppl {evals['stage1']['student_ppl']:.2f}")
     elif start_stage == 2:
         evals["stage1"] = next((r for r in metrics.read() if r.get("event") == "eval" and r["stage"] == 1), {})
 
-    # ---- stage 2: LoRA distillation
+    # ---- stage 2: LoRA distillation (LoRA, and the new parameters unless told otherwise)
     s2 = recipe.stage2
-    peft_model = None
-    if s2.steps > 0:
-        from peft import LoraConfig, get_peft_model
-
-        lora = LoraConfig(r=s2.lora_rank, lora_alpha=s2.lora_alpha, lora_dropout=s2.lora_dropout,
-                          target_modules=list(s2.lora_targets), bias="none")
-        try:
-            peft_model = get_peft_model(lm, lora)
-        except ValueError as e:
-            raise GlaswapError(f"stage2.lora_targets: {str(e).splitlines()[0]}")
-        for name, p in lm.named_parameters():  # peft froze everything but LoRA
-            if name in new_names:
-                p.requires_grad_(s2.train_new_params)
-        dist.wrap(lm, device)
-        opt, sched = _optimizer([p for p in lm.parameters() if p.requires_grad], s2, s2.steps)
+    if peft_model is not None:
+        names = sorted(lora_names | (new_names if s2.train_new_params else set()))
+        opt, sched = _optimizer([params[n] for n in names], s2, s2.steps)
         s2_start = 0
         if ckpt and ckpt[0] == 2:
-            _load_trainable(lm, ckpt[2])
             _restore_optimizer(ckpt[2], opt, sched, dist, lm)
             s2_start = start_step
-        _run_stage(2, s2, lambda b: _kd_step(lm, peft_model, b, s2), lm, blocks, recipe, run, s2_start, opt, sched,
-                   dist, metrics, device, dtype, log, stop_after)
+        _run_stage(2, s2, lambda b: _kd_step(lm, peft_model, b, s2), lm, opt, blocks, recipe, run, s2_start,
+                   sched, dist, metrics, device, dtype, stop_after)
         evals["stage2"] = evaluate_blocks(lm, peft_model, eval_blocks, recipe.data.eval_tokens, eval_bs, device,
                                           dtype, dist)
         if evals["stage2"]:
@@ -480,12 +484,49 @@ def distill(recipe: Recipe, out=None, resume: bool = False, force: bool = False,
                        "world_size": dist.world}
     meta["eval"] = evals
     out_dtype = _output_dtype(recipe, converted)
-    if dist.is_main:
-        _save_final(out, force, lm, peft_model, tokenizer, recipe, run, meta, out_dtype, log)
+    trained = dist.gather_trainable(lm, lm._glaswap_trainable)   # collective; full tensors on every rank
+
+    def save():
+        _save_final(out, force, trained, tokenizer, recipe, run, meta, out_dtype, log)
         shutil.rmtree(run, ignore_errors=True)
         log(f"wrote {out}")
-    dist.barrier()
+
+    dist.main_only(save)
     return meta
+
+
+def build_student(converted: Path, recipe: Recipe, dtype, device="cpu"):
+    """The converted model with LoRA attached from the start (its B matrices are zero, so it
+    changes nothing until stage 2 trains it): the module structure never changes during a
+    run, which lets FSDP shard it once. Returns (model, peft model or None, names of the
+    new parameters, names of the LoRA parameters); all of them require grad, each stage's
+    optimizer takes the ones it trains."""
+    from glaswap.models.modeling_glaswap import GLASwapForCausalLM
+
+    lm = GLASwapForCausalLM.from_pretrained(str(converted), dtype=dtype)
+    if recipe.train.gradient_checkpointing:
+        lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    new_names = set(lm.new_parameter_names())
+    peft_model = None
+    s2 = recipe.stage2
+    if s2.steps > 0:
+        from peft import LoraConfig, get_peft_model
+
+        lora = LoraConfig(r=s2.lora_rank, lora_alpha=s2.lora_alpha, lora_dropout=s2.lora_dropout,
+                          target_modules=list(s2.lora_targets), bias="none")
+        try:
+            peft_model = get_peft_model(lm, lora)
+        except ValueError as e:
+            raise GlaswapError(f"stage2.lora_targets: {str(e).splitlines()[0]}")
+    lora_names = set()
+    for name, p in lm.named_parameters():
+        if name in new_names:
+            p.data = p.data.float()  # optimizer updates in float32 even when the model is bf16
+        is_lora = ".lora_" in name
+        if is_lora:
+            lora_names.add(name)
+        p.requires_grad_(name in new_names or is_lora)
+    return lm, peft_model, new_names, lora_names
 
 
 def _load_tokenizer(converted: Path, recipe: Recipe):

@@ -139,7 +139,13 @@ class DecoderLayer(nn.Module):
                               attention_mask=attention_mask, past_key_values=past_key_values,
                               cu_seqlens=cu_seqlens)
         hidden_states = residual + h
-        return hidden_states + self.mlp(self.post_attention_layernorm(hidden_states))
+        hidden_states = hidden_states + self.mlp(self.post_attention_layernorm(hidden_states))
+        if self.self_attn.transfer:
+            # Attention transfer: the layer's loss leaves through its output, so wrappers that
+            # hook module outputs (FSDP's backward hooks) see the gradient that flows back.
+            loss, self.self_attn.transfer_loss = self.self_attn.transfer_loss, None
+            return hidden_states, loss
+        return hidden_states
 
 
 def positions_from_cu_seqlens(cu_seqlens, B, T, device):
@@ -223,6 +229,7 @@ class GLASwapModel(GLASwapPreTrainedModel):
             attention_mask = None  # no padding: skip the masking work
 
         hidden_states = inputs_embeds
+        transfer_losses = []
         for layer in self.layers:
             if self.gradient_checkpointing and self.training:
                 hidden_states = self._gradient_checkpointing_func(
@@ -231,10 +238,15 @@ class GLASwapModel(GLASwapPreTrainedModel):
             else:
                 hidden_states = layer(hidden_states, position_embeddings, attention_mask, past_key_values,
                                       cu_seqlens)
+            if isinstance(hidden_states, tuple):  # attention transfer: (hidden, this layer's loss)
+                hidden_states, loss = hidden_states
+                transfer_losses.append(loss)
         if past_key_values is not None:
             past_key_values.seen_tokens += T
-        return BaseModelOutputWithPast(last_hidden_state=self.norm(hidden_states),
-                                       past_key_values=past_key_values)
+        out = BaseModelOutputWithPast(last_hidden_state=self.norm(hidden_states), past_key_values=past_key_values)
+        if transfer_losses:
+            out.transfer_losses = transfer_losses
+        return out
 
 
 class GLASwapForCausalLM(GLASwapPreTrainedModel, GenerationMixin):
