@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import os
+import signal
 import sys
 
 import click
@@ -23,6 +24,10 @@ def _friendly(fn):
             click.echo("interrupted", err=True)
             sys.exit(130)
     return wrapper
+
+
+def _raise_keyboard_interrupt(signum, frame):
+    raise KeyboardInterrupt
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -89,6 +94,8 @@ def distill(recipe_path, overrides, out, resume, force, stop_after):
     from glaswap.distill.train import Interrupted
 
     recipe = load_recipe(recipe_path, overrides)
+    # A scheduler's or timeout's SIGTERM checkpoints and stops like Ctrl-C.
+    signal.signal(signal.SIGTERM, _raise_keyboard_interrupt)
     stop = None
     if stop_after:
         try:

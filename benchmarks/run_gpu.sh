@@ -1,0 +1,62 @@
+#!/usr/bin/env bash
+# The H200 runs behind benchmarks/NOTES.md, one step per device call:
+#   bash benchmarks/run_gpu.sh payload-a     # carry .carry_a (first half of the payload)
+#   bash benchmarks/run_gpu.sh payload-b     # carry .carry_b: join, unpack, install gguf
+#   bash benchmarks/run_gpu.sh kernels|distill|bench|scaling
+# The payload (built on a CPU machine, see NOTES.md) holds the SmolLM2 GGUF, the token
+# files of benchmarks/prepare_corpus.py and wheels (gguf, flash-linear-attention, fla-core):
+# the GPU machine has no network. glaswap is not installed there: it runs from this folder.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PK=/tmp/glaswap-pkgs
+mkdir -p "$PK"
+ln -sfn "$PWD/glaswap" "$PK/glaswap"
+ln -sfn "$PWD/kernels" "$PK/glaswap_kernels"
+export PYTHONPATH="$PK" PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
+export GLASWAP_CACHE="${GLASWAP_CACHE:-$HOME/gcache}"
+OUT="${OUT:-/tmp/out}"
+mkdir -p "$OUT"
+PAY="$HOME/payload"
+
+case "$1" in
+payload-a)
+  mkdir -p "$HOME/pay" && cp .carry_a/* "$HOME/pay/" ;;
+payload-b)
+  cat "$HOME/pay/payload.part_aa" .carry_b/payload.part_ab | tar x -C "$HOME"
+  mkdir -p "$GLASWAP_CACHE/smollm2-135m" "$HOME/data"
+  mv -f "$PAY"/*.gguf "$GLASWAP_CACHE/smollm2-135m/"
+  python3 - <<PY
+import lzma, shutil
+with lzma.open("$PAY/data/smollm2.train.npz.xz") as src, open("$HOME/data/smollm2.train.npz", "wb") as dst:
+    shutil.copyfileobj(src, dst)
+PY
+  cp "$PAY"/data/*.npz "$PAY"/data/*.json "$HOME/data/"
+  pip install -q --no-deps "$PAY"/wheels/gguf-*.whl
+  pip install -q --no-deps --target /tmp/fla012 "$PAY"/wheels/flash_linear_attention-0.1.2-*.whl
+  pip install -q --no-deps --target /tmp/fla060 "$PAY"/wheels/fla_core-0.6.0-*.whl
+  ls -la "$HOME/data" "$GLASWAP_CACHE/smollm2-135m" ;;
+kernels)
+  nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu --format=csv
+  python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_gla_triton.py 2>&1 | tee "$OUT/gpu_tests.log" | tail -5
+  python3 benchmarks/bench_kernels.py --json "$OUT/kernels.json" ${FLA:+--compare-fla $FLA} 2>&1 | tee "$OUT/kernels.log" ;;
+distill)
+  ln -sfn "$HOME/data" data
+  timeout -s TERM "${LIMIT:-540}" python3 -m glaswap.cli distill --recipe recipes/smollm2-135m.yaml \
+      --out "$HOME/runs/smollm2-135m" ${RESUME:+--resume} "${@:2}" 2>&1 | tr '\r' '\n' | grep -v "it/s\]$" \
+      | tee "$OUT/distill.log" | grep -vE "step/s|s/step" || true
+  for f in eval.json metrics.jsonl loss.png glaswap.json; do
+    cp "$HOME/runs/smollm2-135m/$f" "$OUT/" 2>/dev/null || true
+  done ;;
+bench)
+  python3 benchmarks/bench_distill.py --json "$OUT/distill_bench.json" 2>&1 | tee "$OUT/distill_bench.log" | tail -16
+  python3 benchmarks/bench_generate.py ${MODEL:-} --out "$OUT" 2>&1 | tee "$OUT/generate_bench.log" | tail -14 ;;
+scaling)
+  export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+  for run in "1 ddp" "2 ddp" "2 fsdp"; do
+    set -- $run
+    torchrun --standalone --nproc-per-node "$1" benchmarks/bench_scaling.py --layout "$2" 2>&1 \
+      | tee "$OUT/scaling_$1_$2.log" | grep -E "^\{|Error" | tail -3
+  done ;;
+*)
+  echo "unknown step $1" >&2; exit 2 ;;
+esac
