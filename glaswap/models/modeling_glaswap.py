@@ -291,8 +291,9 @@ class GLASwapForCausalLM(GLASwapPreTrainedModel, GenerationMixin):
                 **kwargs):
         runner = self.decode_runner
         if runner is not None and labels is None and runner.accepts(input_ids, inputs_embeds, past_key_values):
-            logits = runner.step(input_ids, position_ids, past_key_values)
-            return CausalLMOutputWithPast(logits=logits, past_key_values=past_key_values)
+            logits = runner.step(input_ids, position_ids, past_key_values)  # None: it could not, run eagerly
+            if logits is not None:
+                return CausalLMOutputWithPast(logits=logits, past_key_values=past_key_values)
         out = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                          past_key_values=past_key_values, inputs_embeds=inputs_embeds,
                          use_cache=use_cache, cu_seqlens=cu_seqlens)

@@ -1,0 +1,495 @@
+"""`glaswap eval`: what a converted model costs in quality, next to its teacher.
+
+Student (GLA) and teacher read identical windows of the same token ids: sliding-window
+perplexity where every token is scored at most once (context N, stride S; with S < N the
+first N - S tokens of a window are context only). The student is also run "stateful": it
+reads each document in one pass, carrying its recurrent state from chunk to chunk, and is
+scored on the very same tokens; a teacher cannot do that beyond its context window.
+
+Figures: token perplexity and bits per byte, per file and overall, mean KL(teacher ||
+student) per token, and the mean loss at each position of the window (also drawn as a PNG).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import os
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from glaswap.errors import GlaswapError
+
+ROLES = ("student", "teacher", "stateful")
+
+
+# --------------------------------------------------------------------------- inputs
+def check_model_folder(model_dir) -> dict:
+    """The folder's glaswap.json, or a one-line error when it is not a glaswap model."""
+    path = Path(model_dir)
+    if not path.exists():
+        raise GlaswapError(f"{path} does not exist; pass a folder written by glaswap convert or distill")
+    if not path.is_dir():
+        raise GlaswapError(f"{path} is not a folder; pass a folder written by glaswap convert or distill")
+    meta_file, cfg_file = path / "glaswap.json", path / "config.json"
+    try:
+        cfg = json.loads(cfg_file.read_text())
+        meta = json.loads(meta_file.read_text())
+    except FileNotFoundError as e:
+        raise GlaswapError(f"{path} is not a glaswap model (no {Path(e.filename).name}); pass a folder written "
+                           f"by glaswap convert or distill")
+    except (OSError, ValueError) as e:
+        raise GlaswapError(f"{path} is not a readable glaswap model ({type(e).__name__}: {e}); convert it again")
+    if cfg.get("model_type") != "glaswap":
+        raise GlaswapError(f"{path} is not a glaswap model (config.json model_type is "
+                           f"{cfg.get('model_type')!r}); convert it first with glaswap convert")
+    return meta
+
+
+def read_text_file(path) -> str:
+    """A file's text, or a one-line error for a missing, unreadable, empty or binary file."""
+    path = Path(path)
+    if not path.exists():
+        raise GlaswapError(f"{path} does not exist; pass a UTF-8 text file")
+    if path.is_dir():
+        raise GlaswapError(f"{path} is a folder; pass UTF-8 text files")
+    try:
+        data = path.read_bytes()
+    except OSError as e:
+        raise GlaswapError(f"{path} cannot be read ({e.strerror or e}); check its permissions")
+    if not data.strip():
+        raise GlaswapError(f"{path} is empty; pass a file with text in it")
+    if b"\0" in data:
+        raise GlaswapError(f"{path} is a binary file (it has NUL bytes); pass a UTF-8 text file")
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise GlaswapError(f"{path} is not UTF-8 text (bad byte at offset {e.start}); convert it to UTF-8 first")
+
+
+def pick_device(device: str = "auto") -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        dev = torch.device(device)
+    except RuntimeError:
+        raise GlaswapError(f"invalid --device {device!r}; choose auto, cpu, cuda or cuda:N")
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise GlaswapError("--device cuda was asked for but no CUDA GPU is available; use --device cpu")
+    return dev
+
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def pick_dtype(dtype: str, device: torch.device) -> torch.dtype:
+    if dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if dtype not in DTYPES:
+        raise GlaswapError(f"invalid dtype {dtype!r}; choose auto, {', '.join(DTYPES)}")
+    return DTYPES[dtype]
+
+
+def load_student(model_dir, device, dtype):
+    from glaswap.models.modeling_glaswap import GLASwapForCausalLM
+
+    try:
+        model = GLASwapForCausalLM.from_pretrained(str(model_dir), dtype=dtype)
+    except Exception as e:
+        first = str(e).splitlines()[0] if str(e) else ""
+        raise GlaswapError(f"{model_dir} could not be loaded ({type(e).__name__}: {first}); convert it again")
+    return model.to(device).eval()
+
+
+def load_tokenizer(model_dir):
+    from transformers import AutoTokenizer
+
+    try:
+        # trust_remote_code only silences the question transformers asks because config.json
+        # maps the model classes to the folder's code; no tokenizer code is taken from it.
+        tok = AutoTokenizer.from_pretrained(str(model_dir), trust_remote_code=True)
+    except Exception as e:
+        raise GlaswapError(f"{model_dir} has no usable tokenizer ({type(e).__name__}); copy the tokenizer files "
+                           f"of the source model into it")
+    tok.model_max_length = 1 << 60  # whole documents are tokenised at once; windows come later
+    return tok
+
+
+def teacher_source(model_dir, meta: dict, teacher: str):
+    """(kind, path, description) of the teacher: "self", or a folder / .gguf to load."""
+    from glaswap.sources import resolve_source
+
+    if teacher == "self":
+        return "self", None, {"spec": "self", "kind": "self",
+                              "note": "the model's own softmax attention (the teacher before distillation)"}
+    if teacher == "auto":
+        recorded = meta.get("source") or {}
+        path = Path(recorded.get("path", ""))
+        if recorded.get("path") and path.exists():
+            kind = "gguf" if path.is_file() else "folder"
+            return kind, path, dict(recorded)
+        if not recorded.get("spec"):
+            raise GlaswapError(f"{model_dir}/glaswap.json records no source model; pass --teacher PATH "
+                               f"or --teacher self")
+        try:
+            src = resolve_source(recorded["spec"])
+        except GlaswapError as e:
+            raise GlaswapError(f"the source model recorded in glaswap.json is not available ({e}); "
+                               f"pass --teacher PATH or --teacher self")
+        return src.kind, src.path, src.describe()
+    src = resolve_source(teacher)
+    if src.kind == "folder" and (src.path / "glaswap.json").is_file():
+        raise GlaswapError(f"{teacher} is a glaswap model; --teacher takes the original model (a Hugging Face "
+                           f"folder or .gguf file) or self")
+    return src.kind, src.path, src.describe()
+
+
+def load_teacher(kind, path, device, dtype):
+    from transformers import AutoModelForCausalLM
+
+    try:
+        if kind == "gguf":
+            model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=dtype)
+        else:
+            model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype)
+    except Exception as e:
+        first = str(e).splitlines()[0] if str(e) else ""
+        raise GlaswapError(f"the teacher {path} could not be loaded ({type(e).__name__}: {first}); pass "
+                           f"--teacher PATH to another copy or --teacher self")
+    return model.to(device).eval()
+
+
+# --------------------------------------------------------------------------- windows
+def windows(n: int, context: int, stride: int) -> list[tuple[int, int, int]]:
+    """(begin, end, first scored token) of each window over n tokens.
+
+    Window w reads tokens [begin, end) and scores tokens [first, end): those no earlier
+    window scored. A token is predicted from the tokens before it in its window, so the
+    first token of the document, and with stride == context the first token of every
+    window, is never scored.
+    """
+    out, begin, prev_end = [], 0, 0
+    while True:
+        end = min(begin + context, n)
+        first = max(prev_end, begin + 1)
+        if first < end:
+            out.append((begin, end, first))
+        prev_end = end
+        if end >= n:
+            return out
+        begin += stride
+
+
+def token_bytes(text: str, tokenizer, ids, offsets) -> np.ndarray:
+    """UTF-8 bytes each token accounts for: from the end of the previous token to its end
+    (so whitespace between tokens belongs to the next one and the bytes add up)."""
+    if offsets is None:  # a slow tokenizer: decode token by token (close, not exact, for SentencePiece)
+        return np.array([len(tokenizer.decode([i]).encode()) for i in ids], dtype=np.int64)
+    cps = np.frombuffer(text.encode("utf-32-le"), dtype=np.uint32)
+    width = 1 + (cps >= 0x80).astype(np.int64) + (cps >= 0x800) + (cps >= 0x10000)
+    cum = np.concatenate([[0], np.cumsum(width)])                          # byte offset of each char
+    ends = np.maximum.accumulate(np.array([e for _, e in offsets], dtype=np.int64))
+    return np.diff(np.concatenate([[0], cum[ends]]))
+
+
+class Document:
+    """One text file as token ids, with what each token is worth in bytes and where it is scored."""
+
+    def __init__(self, path, text, tokenizer, max_tokens, context, stride):
+        self.path = str(path)
+        fast = getattr(tokenizer, "is_fast", False)
+        enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=fast)
+        ids = enc["input_ids"]
+        offsets = enc.get("offset_mapping") if fast else None
+        if max_tokens:
+            ids = ids[:max_tokens]
+            offsets = offsets[:max_tokens] if offsets is not None else None
+        if len(ids) < 2:
+            raise GlaswapError(f"{path} has fewer than 2 tokens; nothing to score, pass a longer text")
+        self.ids = torch.tensor(ids, dtype=torch.long)
+        self.bytes = token_bytes(text, tokenizer, ids, offsets)
+        self.windows = windows(len(ids), context, stride)
+        n = len(ids)
+        self.scored = np.zeros(n, dtype=bool)
+        self.position = np.full(n, -1, dtype=np.int64)     # position of each scored token in its window
+        for begin, end, first in self.windows:
+            self.scored[first:end] = True
+            self.position[first:end] = np.arange(first - begin, end - begin)
+        self.nll = {role: np.full(n, np.nan) for role in ROLES}
+        self.kl = np.full(n, np.nan)
+
+    def __len__(self):
+        return len(self.ids)
+
+
+# --------------------------------------------------------------------------- scoring
+def _nll(logits, targets):
+    return F.cross_entropy(logits.float(), targets, reduction="none")
+
+
+@torch.no_grad()
+def _score_windows(docs, student, teacher, batch_size, device, bar):
+    """Student and teacher on identical windows, batch_size windows at a time (right-padded:
+    attention is causal, so padding after a window cannot change its tokens)."""
+    jobs = [(d, w) for d in docs for w in d.windows]
+    for i in range(0, len(jobs), batch_size):
+        batch = jobs[i:i + batch_size]
+        width = max(end - begin for _, (begin, end, _) in batch)
+        ids = torch.zeros(len(batch), width, dtype=torch.long)
+        for r, (d, (begin, end, _)) in enumerate(batch):
+            ids[r, :end - begin] = d.ids[begin:end]
+        ids = ids.to(device)
+        bar.set_description("student")
+        s_logits = student(input_ids=ids, use_cache=False).logits
+        bar.update(ids.numel())
+        bar.set_description("teacher")
+        if teacher is None:
+            with student.attention_mode("softmax"):
+                t_logits = student(input_ids=ids, use_cache=False).logits
+        else:
+            t_logits = teacher(input_ids=ids, use_cache=False).logits
+        bar.update(ids.numel())
+        for r, (d, (begin, end, first)) in enumerate(batch):
+            rows = slice(first - 1 - begin, end - 1 - begin)      # logits at j - 1 predict token j
+            target = ids[r, first - begin:end - begin]
+            s, t = s_logits[r, rows].float(), t_logits[r, rows].float()
+            d.nll["student"][first:end] = _nll(s, target).cpu().numpy()
+            d.nll["teacher"][first:end] = _nll(t, target).cpu().numpy()
+            s_logp, t_logp = F.log_softmax(s, -1), F.log_softmax(t, -1)
+            d.kl[first:end] = (t_logp.exp() * (t_logp - s_logp)).sum(-1).cpu().numpy()
+
+
+@torch.no_grad()
+def _score_stateful(docs, student, chunk, device, bar):
+    """The student reads each document once, chunk by chunk, its recurrent state carried over."""
+    from glaswap.models.modeling_glaswap import GLASwapCache
+
+    bar.set_description("stateful")
+    for d in docs:
+        cache = GLASwapCache(student.config.num_hidden_layers)
+        nll = np.full(len(d), np.nan)
+        last = None                                    # the previous chunk's last logits row
+        for begin in range(0, len(d), chunk):
+            ids = d.ids[begin:begin + chunk][None].to(device)
+            logits = student(input_ids=ids, past_key_values=cache, use_cache=True).logits[0]
+            if last is not None:
+                logits = torch.cat([last, logits])
+                preds, targets = logits[:-1], d.ids[begin:begin + ids.shape[1]]
+                nll[begin:begin + ids.shape[1]] = _nll(preds, targets.to(device)).cpu().numpy()
+            else:
+                nll[1:ids.shape[1]] = _nll(logits[:-1], ids[0, 1:]).cpu().numpy()
+            last = logits[-1:]
+            bar.update(ids.shape[1])
+        d.nll["stateful"][d.scored] = nll[d.scored]
+
+
+def _summary(nll_sum, tokens, nbytes):
+    mean = nll_sum / max(tokens, 1)
+    return {"nll": mean, "ppl": math.exp(min(mean, 700.0)), "bpb": nll_sum / math.log(2) / max(nbytes, 1)}
+
+
+def _file_figures(d: Document) -> dict:
+    m = d.scored
+    tokens, nbytes = int(m.sum()), int(d.bytes[m].sum())
+    out = {"path": d.path, "tokens": tokens, "bytes": nbytes, "windows": len(d.windows)}
+    for role in ROLES:
+        out[role] = _summary(float(d.nll[role][m].sum()), tokens, nbytes)
+    out["kl"] = float(d.kl[m].mean())
+    return out
+
+
+def _overall(docs) -> dict:
+    tokens = sum(int(d.scored.sum()) for d in docs)
+    nbytes = sum(int(d.bytes[d.scored].sum()) for d in docs)
+    out = {"tokens": tokens, "bytes": nbytes}
+    for role in ROLES:
+        out[role] = _summary(sum(float(d.nll[role][d.scored].sum()) for d in docs), tokens, nbytes)
+    out["kl"] = sum(float(d.kl[d.scored].sum()) for d in docs) / max(tokens, 1)
+    return out
+
+
+def _by_position(docs, context) -> dict:
+    count = np.zeros(context, dtype=np.int64)
+    sums = {role: np.zeros(context) for role in ROLES}
+    for d in docs:
+        pos = d.position[d.scored]
+        np.add.at(count, pos, 1)
+        for role in ROLES:
+            np.add.at(sums[role], pos, d.nll[role][d.scored])
+    out = {"position": list(range(context)), "count": count.tolist()}
+    for role in ROLES:
+        mean = np.where(count > 0, sums[role] / np.maximum(count, 1), np.nan)
+        out[role] = [None if np.isnan(x) else float(x) for x in mean]
+    return out
+
+
+# --------------------------------------------------------------------------- entry point
+def evaluate(model_dir, texts, teacher: str = "auto", context: int = 512, stride: int | None = None,
+             max_tokens: int | None = None, batch_size: int = 1, out=None, device: str = "auto",
+             dtype: str = "auto", progress: bool = True, log=print) -> dict:
+    """Evaluate a glaswap model against its teacher on text files; returns every figure.
+
+    teacher: "auto" (the source recorded in glaswap.json), "self" (the model's own softmax
+    attention: the teacher before distillation, no second model loaded) or a path to a
+    Hugging Face folder or .gguf file. max_tokens: use at most this many tokens of each file.
+    Writes a JSON file and a PNG of the loss by position to `out` (default MODEL/eval).
+    """
+    from tqdm.auto import tqdm
+
+    model_dir = Path(model_dir)
+    stride = context if stride is None else stride
+    if context < 2:
+        raise GlaswapError(f"--context {context} is too small; use at least 2 tokens")
+    if not 1 <= stride <= context:
+        raise GlaswapError(f"--stride {stride} must be between 1 and the context ({context})")
+    if batch_size < 1:
+        raise GlaswapError(f"--batch-size {batch_size} must be at least 1")
+    if max_tokens is not None and max_tokens < 2:
+        raise GlaswapError(f"--max-tokens {max_tokens} is too small; use at least 2")
+    if not texts:
+        raise GlaswapError("no text files given; pass --text FILE [FILE ...]")
+    meta = check_model_folder(model_dir)
+    contents = [(p, read_text_file(p)) for p in texts]   # all bad input is reported before any loading
+    t_kind, t_path, t_desc = teacher_source(model_dir, meta, teacher)
+    dev = pick_device(device)
+    dt = pick_dtype(dtype, dev)
+
+    started = time.time()
+    tok = load_tokenizer(model_dir)
+    docs = [Document(p, text, tok, max_tokens, context, stride) for p, text in contents]
+    student = load_student(model_dir, dev, dt)
+    student.set_attention_mode("gla")
+    teacher_model = None
+    if t_kind != "self":
+        log(f"loading teacher {t_desc.get('spec', t_path)}")
+        teacher_model = load_teacher(t_kind, t_path, dev, dt)
+        if teacher_model.config.vocab_size != student.config.vocab_size:
+            raise GlaswapError(f"the teacher's vocabulary ({teacher_model.config.vocab_size}) differs from the "
+                               f"model's ({student.config.vocab_size}); pass the model it was converted from")
+
+    window_tokens = sum(end - begin for d in docs for begin, end, _ in d.windows)
+    total = 2 * window_tokens + sum(len(d) for d in docs)
+    t0 = time.time()
+    with tqdm(total=total, unit="tok", unit_scale=True, disable=not progress, dynamic_ncols=True) as bar:
+        _score_windows(docs, student, teacher_model, batch_size, dev, bar)
+        _score_stateful(docs, student, context * batch_size, dev, bar)
+    seconds = time.time() - t0
+
+    result = {
+        "model": str(model_dir),
+        "teacher": t_desc,
+        "settings": {"context": context, "stride": stride, "max_tokens": max_tokens, "batch_size": batch_size,
+                     "device": str(dev), "dtype": str(dt).replace("torch.", "")},
+        "files": [_file_figures(d) for d in docs],
+        "overall": _overall(docs),
+        "by_position": _by_position(docs, context),
+        "seconds": round(seconds, 2),
+        "tokens_per_second": round(total / max(seconds, 1e-9), 1),
+        "load_seconds": round(t0 - started, 2),
+    }
+    from glaswap.convert import versions
+
+    result["versions"] = versions()
+    out = Path(out) if out is not None else model_dir / "eval"
+    name = _run_name(docs, context, stride)
+    has_plot = importlib.util.find_spec("matplotlib") is not None
+    result["outputs"] = {"json": str(out / f"{name}.json"),
+                         "png": str(out / f"{name}.png") if has_plot else "(no PNG: pip install matplotlib)"}
+    _write_outputs(result, out, name, has_plot)
+    log(format_table(result))
+    log(f"wrote {result['outputs']['json']} and {result['outputs']['png']}")
+    return result
+
+
+def _run_name(docs, context, stride):
+    stem = Path(docs[0].path).stem
+    more = f"+{len(docs) - 1}" if len(docs) > 1 else ""
+    return f"eval-{stem}{more}-c{context}-s{stride}"
+
+
+# --------------------------------------------------------------------------- output
+def format_table(result: dict) -> str:
+    rows = [("file", "tokens", "teacher ppl", "student ppl", "stateful ppl", "teacher bpb", "student bpb",
+             "stateful bpb", "KL")]
+
+    def row(name, f):
+        return (name, str(f["tokens"]), f"{f['teacher']['ppl']:.2f}", f"{f['student']['ppl']:.2f}",
+                f"{f['stateful']['ppl']:.2f}", f"{f['teacher']['bpb']:.3f}", f"{f['student']['bpb']:.3f}",
+                f"{f['stateful']['bpb']:.3f}", f"{f['kl']:.3f}")
+
+    for f in result["files"]:
+        rows.append(row(Path(f["path"]).name, f))
+    if len(result["files"]) > 1:
+        rows.append(row("all", result["overall"]))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    lines = ["  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths)))
+             for r in rows]
+    lines.insert(1, "-" * len(lines[0]))
+    s = result["settings"]
+    teacher = result["teacher"].get("spec", "?")
+    lines.append(f"context {s['context']}, stride {s['stride']}, teacher {teacher}; stateful = the model reading "
+                 f"each file in one pass; KL = mean KL(teacher || model) per token, nats")
+    return "\n".join(lines)
+
+
+def _atomic_write(path: Path, write):
+    """write(tmp_path) then rename onto path, so a reader never sees half a file."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=path.suffix, dir=path.parent)
+    os.close(fd)
+    try:
+        write(Path(tmp))
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def _write_outputs(result, out: Path, name: str, plot: bool = True):
+    try:
+        _atomic_write(out / f"{name}.json",
+                      lambda p: p.write_text(json.dumps(result, indent=2, allow_nan=False) + "\n"))
+        if plot:
+            _atomic_write(out / f"{name}.png", lambda p: plot_by_position(result, p))
+    except OSError as e:
+        raise GlaswapError(f"could not write the results to {out} ({e.strerror or e}); pass --out DIR "
+                           f"to a writable folder")
+
+
+def plot_by_position(result: dict, path: Path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    pos = result["by_position"]
+    count = np.array(pos["count"], dtype=float)
+    # Bins of `width` positions (token-weighted means): single positions hold few tokens each.
+    width = max(1, len(count) // 64)
+    starts = np.arange(0, len(count), width)
+    n = np.add.reduceat(count, starts)
+    centre = starts + (np.minimum(starts + width, len(count)) - 1 - starts) / 2
+    fig, ax = plt.subplots(figsize=(8, 4.5), dpi=120)
+    labels = {"teacher": "teacher (windowed)", "student": "GLA model (windowed)",
+              "stateful": "GLA model (stateful, whole document)"}
+    for role, style in (("teacher", "-"), ("student", "-"), ("stateful", "--")):
+        loss = np.array([0.0 if y is None else y for y in pos[role]])
+        sums = np.add.reduceat(loss * count, starts)
+        ok = n > 0
+        ax.plot(centre[ok], sums[ok] / n[ok], style, label=labels[role], linewidth=1.2)
+    s = result["settings"]
+    ax.set_xlabel("position in the context window (tokens)" + (f", bins of {width}" if width > 1 else ""))
+    ax.set_ylabel("mean loss (nats / token)")
+    ax.set_title(f"{Path(result['model']).name}: loss by position (context {s['context']}, stride {s['stride']}, "
+                 f"{result['overall']['tokens']} tokens)", fontsize=10)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, format="png")
+    plt.close(fig)

@@ -1,0 +1,473 @@
+"""Generation with converted models: the recurrent-state cache under Hugging Face generate(),
+the CUDA-graph decode path (its buffer logic on CPU, the graph itself on a GPU), the decode
+benchmark and `glaswap generate`."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from click.testing import CliRunner
+from helpers import REPO, run_without_glaswap, save_teacher, tiny_teacher
+
+from glaswap.cli import main
+from glaswap.convert import convert
+from glaswap.generate import (DecodeGraph, bench_model, disable_decode_graph, enable_decode_graph,
+                              parse_contexts)
+from glaswap.errors import GlaswapError
+from glaswap.models.modeling_glaswap import GLASwapCache, GLASwapForCausalLM
+
+# name: (teacher arch, tied embeddings, GLA options)
+VARIANTS = {
+    "llama": ("llama", False, {}),                                                  # lowrank gate, hedgehog
+    "qwen3-key": ("qwen3", True, {"gate": "key", "feature_map": "softmax"}),        # q/k norms, tied
+    "qwen2-scalar": ("qwen2", False, {"gate": "scalar", "feature_map": "identity", "normalizer": False}),
+}
+PAD = 0
+
+
+def ascii_tokenizer():
+    """A character-level fast tokenizer over the 128 ASCII codes (the tiny models' vocabulary)."""
+    from tokenizers import Tokenizer, models
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {chr(i): i for i in range(128)}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="\x00"))
+    return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="\x00", pad_token="\x00", eos_token="\x03")
+
+
+def _randomise_new_parameters(model, seed=0):
+    """Conversion starts the gates data-independent; make them data-dependent so decoding is tested
+    with every path of the layer doing real work."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name in model.new_parameter_names():
+                p.add_(0.3 * torch.randn(p.shape, generator=gen))
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory):
+    """Converted tiny models (new parameters randomised) with a tokenizer, one per variant."""
+    root = tmp_path_factory.mktemp("gen")
+    out = {}
+    for name, (arch, tie, options) in VARIANTS.items():
+        src = save_teacher(tiny_teacher(arch, tie=tie), root / f"{name}-src")
+        folder = root / name
+        convert(str(src), folder, options=options, report=False, log=lambda *_: None)
+        model = GLASwapForCausalLM.from_pretrained(str(folder), dtype=torch.float32)
+        _randomise_new_parameters(model)
+        model.save_pretrained(str(folder))
+        ascii_tokenizer().save_pretrained(str(folder))
+        out[name] = folder
+    return out
+
+
+def _load(folder, dtype=torch.float32):
+    return GLASwapForCausalLM.from_pretrained(str(folder), dtype=dtype).eval()
+
+
+def _prompts():
+    gen = torch.Generator().manual_seed(1)
+    return torch.randint(4, 128, (2, 9), generator=gen)
+
+
+def _left_padded(rows):
+    """Left-padded ids and attention mask of prompts of different lengths."""
+    width = max(len(r) for r in rows)
+    ids = torch.full((len(rows), width), PAD)
+    mask = torch.zeros(len(rows), width, dtype=torch.long)
+    for i, r in enumerate(rows):
+        ids[i, width - len(r):] = torch.tensor(r)
+        mask[i, width - len(r):] = 1
+    return ids, mask
+
+
+def _greedy(model, ids, mask=None, n=12, **kw):
+    return model.generate(ids, attention_mask=mask if mask is not None else torch.ones_like(ids),
+                          max_new_tokens=n, do_sample=False, pad_token_id=PAD, eos_token_id=None, **kw)
+
+
+# ----------------------------------------------------------------------------- recurrent cache
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_prefill_then_steps_match_full_forward(folders, variant):
+    model = _load(folders[variant])
+    ids, mask = _left_padded([list(range(5, 29)), list(range(40, 57))])    # 24 and 17 tokens
+    pos = (mask.cumsum(-1) - 1).clamp(min=0)
+    with torch.no_grad():
+        full = model(ids, attention_mask=mask, position_ids=pos, use_cache=False).logits
+        P = 10
+        out = model(ids[:, :P], attention_mask=mask[:, :P], position_ids=pos[:, :P], use_cache=True)
+        cache = out.past_key_values
+        assert isinstance(cache, GLASwapCache) and cache.get_seq_length() == P
+        steps = [out.logits]
+        for t in range(P, ids.shape[1]):
+            step = model(ids[:, t:t + 1], attention_mask=mask[:, :t + 1], position_ids=pos[:, t:t + 1],
+                         past_key_values=cache, use_cache=True)
+            steps.append(step.logits)
+    assert cache.get_seq_length() == ids.shape[1]
+    inc = torch.cat(steps, dim=1)
+    real = mask.bool()
+    torch.testing.assert_close(inc[real], full[real], rtol=1e-4, atol=1e-4)
+
+
+def test_triton_decode_step_matches_triton_prefill(folders):
+    """The decode path that runs on CUDA (Triton recurrent kernel after a Triton chunk prefill),
+    here under the Triton interpreter."""
+    from glaswap_kernels import HAS_TRITON
+
+    if not HAS_TRITON or not (torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"):
+        pytest.skip("needs Triton on CUDA or TRITON_INTERPRET=1")
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    model = _load(folders["llama"]).to(device)
+    model.config.gla_backend = "triton"
+    ids = torch.randint(4, 128, (2, 12), generator=torch.Generator().manual_seed(2)).to(device)
+    with torch.no_grad():
+        full = model(ids, use_cache=False).logits
+        out = model(ids[:, :8], use_cache=True)
+        steps = [out.logits]
+        for t in range(8, 12):
+            steps.append(model(ids[:, t:t + 1], past_key_values=out.past_key_values, use_cache=True).logits)
+    torch.testing.assert_close(torch.cat(steps, 1), full, rtol=1e-4, atol=1e-4)
+
+
+def test_cache_states_are_constant_size(folders):
+    model = _load(folders["llama"])
+    cfg = model.config
+    sizes = []
+    with torch.no_grad():
+        for T in (5, 50):
+            cache = model(torch.randint(0, 128, (1, T)), use_cache=True).past_key_values
+            sizes.append([tuple(s.shape) for s in cache.states])
+    assert sizes[0] == sizes[1] == [(1, cfg.num_key_value_heads, cfg.head_dim, cfg.head_dim + 1)] * 2
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_greedy_same_tokens_with_and_without_cache(folders, variant):
+    model = _load(folders[variant])
+    ids = _prompts()
+    with_cache = _greedy(model, ids, use_cache=True)
+    without = _greedy(model, ids, use_cache=False)
+    assert with_cache.shape == (2, 9 + 12)
+    assert torch.equal(with_cache, without)
+
+
+@pytest.mark.parametrize("variant", ["llama", "qwen3-key"])
+def test_left_padded_batch_matches_each_row_alone(folders, variant):
+    model = _load(folders[variant])
+    rows = [[7, 33, 91, 12, 5, 60, 61, 2, 99], [44, 18, 70], [3, 3, 120, 8, 17]]
+    ids, mask = _left_padded(rows)
+    batch = _greedy(model, ids, mask)
+    for i, r in enumerate(rows):
+        alone = _greedy(model, torch.tensor([r]))
+        assert torch.equal(batch[i, ids.shape[1]:], alone[0, len(r):]), i
+
+
+def test_beam_search_reorders_the_cache(folders):
+    model = _load(folders["llama"])
+    ids, mask = _left_padded([[7, 33, 91, 12, 5], [44, 18, 70]])
+    kw = dict(num_beams=3, num_return_sequences=2, n=8)
+    with_cache = _greedy(model, ids, mask, use_cache=True, **kw)
+    without = _greedy(model, ids, mask, use_cache=False, **kw)
+    assert with_cache.shape == (4, 5 + 8) and torch.equal(with_cache, without)
+
+
+def test_rolling_back_the_cache_fails_clearly(folders):
+    model = _load(folders["llama"])
+    cache = GLASwapCache(model.config.num_hidden_layers)
+    cache.crop(0)  # a no-op is fine
+    with pytest.raises(ValueError, match="cannot be rolled back"):
+        cache.crop(-2)
+    with pytest.raises(ValueError, match="cannot be rolled back"):
+        _greedy(model, _prompts()[:1], prompt_lookup_num_tokens=2,
+                past_key_values=GLASwapCache(model.config.num_hidden_layers))
+
+
+def test_generate_after_loading_without_glaswap(folders, tmp_path):
+    folder = folders["llama"]
+    model = _load(folder)
+    ids, mask = _left_padded([[7, 33, 91, 12, 5, 60, 61], [44, 18, 70]])
+    expected = _greedy(model, ids, mask)
+    torch.save({"ids": ids, "mask": mask, "expected": expected}, tmp_path / "case.pt")
+    code = f"""
+import torch
+from transformers import AutoModelForCausalLM
+m = AutoModelForCausalLM.from_pretrained({str(folder)!r}, trust_remote_code=True, dtype=torch.float32).eval()
+case = torch.load({str(tmp_path / 'case.pt')!r})
+kw = dict(attention_mask=case["mask"], max_new_tokens=12, do_sample=False, pad_token_id=0, eos_token_id=None)
+cached = m.generate(case["ids"], use_cache=True, **kw)
+uncached = m.generate(case["ids"], use_cache=False, **kw)
+print("cache", type(m(case["ids"], use_cache=True).past_key_values).__name__)
+print("same", torch.equal(cached, case["expected"]), torch.equal(uncached, case["expected"]))
+"""
+    proc = run_without_glaswap(code, tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "cache GLASwapCache" in proc.stdout
+    assert "same True True" in proc.stdout, proc.stdout
+
+
+# ----------------------------------------------------------------------------- decode graph (buffer logic)
+@pytest.mark.parametrize("variant", ["llama", "qwen2-scalar"])
+def test_static_buffer_decode_matches_eager(folders, variant):
+    """The graph path's static buffers, run eagerly ("replay"): the same logits, exactly."""
+    model = _load(folders[variant])
+    ids, mask = _left_padded([[7, 33, 91, 12, 5, 60, 61], [44, 18, 70]])
+    kw = dict(output_logits=True, return_dict_in_generate=True)
+    eager = _greedy(model, ids, mask, **kw)
+    runner = enable_decode_graph(model, backend="replay")
+    replayed = _greedy(model, ids, mask, **kw)
+    assert sorted(runner.steps) == [2]
+    assert torch.equal(eager.sequences, replayed.sequences)
+    for a, b in zip(eager.logits, replayed.logits):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
+    beams = _greedy(model, ids, mask, num_beams=3, n=6)     # reorder_cache gives the runner new tensors
+    disable_decode_graph(model)
+    assert torch.equal(beams, _greedy(model, ids, mask, num_beams=3, n=6))
+
+
+def test_static_buffer_decode_keeps_interleaved_caches_apart(folders):
+    model = _load(folders["llama"])
+    prompts = [torch.tensor([[5, 9, 77, 3]]), torch.tensor([[100, 2, 31, 64, 8, 8]])]
+
+    def run(steps=6):
+        with torch.no_grad():
+            caches, tokens, logits = [], [], []
+            for p in prompts:
+                out = model(p, use_cache=True)
+                caches.append(out.past_key_values)
+                tokens.append(out.logits[:, -1:].argmax(-1))
+            for _ in range(steps):
+                for i in range(2):      # alternate: each step hands the buffers to the other cache
+                    out = model(tokens[i], past_key_values=caches[i], use_cache=True)
+                    tokens[i] = out.logits[:, -1:].argmax(-1)
+                    logits.append(out.logits)
+        return torch.cat(logits), caches
+
+    eager, eager_caches = run()
+    enable_decode_graph(model, backend="replay")
+    replayed, replay_caches = run()
+    torch.testing.assert_close(replayed, eager, rtol=0, atol=1e-6)
+    for a, b in zip(eager_caches, replay_caches):
+        assert a.seen_tokens == b.seen_tokens
+        for sa, sb in zip(a.states, b.states):
+            torch.testing.assert_close(sb, sa, rtol=0, atol=1e-6)
+
+
+def test_static_buffer_decode_recaptures_when_weights_move(folders):
+    model = _load(folders["llama"])
+    ids = _prompts()
+    runner = enable_decode_graph(model, backend="replay")
+    _greedy(model, ids, n=3)
+    old = runner.fingerprint
+    model.to(torch.float64)
+    replayed = _greedy(model, ids.clone(), n=6, output_logits=True, return_dict_in_generate=True)
+    assert runner.fingerprint != old
+    disable_decode_graph(model)
+    eager = _greedy(model, ids.clone(), n=6, output_logits=True, return_dict_in_generate=True)
+    assert torch.equal(replayed.sequences, eager.sequences)
+    for a, b in zip(eager.logits, replayed.logits):
+        torch.testing.assert_close(b, a, rtol=0, atol=1e-9)
+
+
+def test_failed_capture_falls_back_to_eager(folders, monkeypatch):
+    import glaswap.generate as gen
+
+    model = _load(folders["llama"])
+    ids = _prompts()
+    eager = _greedy(model, ids)
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("capture refused")
+
+    monkeypatch.setattr(gen, "_StaticStep", broken)
+    runner = enable_decode_graph(model, backend="replay")
+    with pytest.warns(UserWarning, match="decoding eagerly .RuntimeError: capture refused"):
+        assert torch.equal(_greedy(model, ids), eager)
+    assert runner.failed == "RuntimeError: capture refused"
+    with torch.no_grad():
+        assert not runner.accepts(ids[:, :1], None, GLASwapCache(2))
+    enable_decode_graph(model, backend="replay", strict=True)
+    with pytest.raises(RuntimeError, match="capture refused"):
+        _greedy(model, ids)
+
+
+def test_graph_check_compares_the_two_paths(folders):
+    from glaswap.generate import check_decode_graph
+
+    model = _load(folders["qwen3-key"])
+    res = check_decode_graph(model, _prompts(), steps=5, backend="replay")
+    assert res["steps"] == 5 and res["same_argmax"] and res["max_abs_diff"] < 1e-6 < res["max_abs_logit"]
+    assert model.decode_runner is None                      # left as it was found
+
+
+def test_decode_graph_only_takes_what_it_can_serve(folders):
+    model = _load(folders["llama"])
+    runner = DecodeGraph(model, backend="replay")
+    one, cache = torch.tensor([[4]]), GLASwapCache(2)
+    with torch.no_grad():
+        assert runner.accepts(one, None, cache)
+        assert not runner.accepts(torch.tensor([[4, 5]]), None, cache)      # a prefill
+        assert not runner.accepts(one, None, None)                           # no cache
+        with model.attention_mode("softmax"):
+            assert not runner.accepts(one, None, cache)
+    assert not runner.accepts(one, None, cache)                              # gradients on
+    with pytest.raises(ValueError, match="backend"):
+        DecodeGraph(model, backend="bogus")
+
+
+# ----------------------------------------------------------------------------- decode graph on a GPU
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cuda_graph_decode_matches_eager_on_gpu(folders, dtype):
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    model = _load(folders["llama"], dtype).cuda()
+    ids, mask = _left_padded([[7, 33, 91, 12, 5, 60, 61], [44, 18, 70]])
+    ids, mask = ids.cuda(), mask.cuda()
+    kw = dict(output_logits=True, return_dict_in_generate=True, n=16)
+    eager = _greedy(model, ids, mask, **kw)
+    runner = enable_decode_graph(model)
+    graphed = _greedy(model, ids, mask, **kw)
+    again = _greedy(model, ids, mask, **kw)                  # replays the graph captured above
+    assert sorted(runner.steps) == [2]
+    tol = 1e-4 if dtype == torch.float32 else 3e-2
+    for run in (graphed, again):
+        assert torch.equal(run.sequences, eager.sequences)
+        for a, b in zip(eager.logits, run.logits):
+            torch.testing.assert_close(b, a, rtol=tol, atol=tol)
+
+
+@pytest.mark.gpu
+def test_gpu_decode_memory_is_flat_in_context(folders):
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    from glaswap.generate import bench_decode
+
+    model = _load(folders["llama"], torch.bfloat16).cuda()
+    rows = bench_decode(model, None, contexts=[256, 4096], new_tokens=8, graph="on", log=lambda *_: None)
+    assert all("graph_error" not in r for r in rows) and rows[0]["graph_check"]["same_argmax"], rows
+    peaks = [r["student_graph"]["peak_gib"] for r in rows]
+    assert abs(peaks[1] - peaks[0]) < 0.01, peaks
+
+
+# ----------------------------------------------------------------------------- bench and CLI
+def test_bench_on_cpu_writes_table_json_and_png(folders, tmp_path):
+    lines = []
+    res = bench_model(folders["llama"], contexts=[8, 40], new_tokens=3, out=tmp_path / "b", log=lines.append)
+    rows = res["rows"]
+    assert [r["context"] for r in rows] == [8, 40]
+    for r in rows:
+        for who in ("student", "student_eager", "teacher"):
+            assert r[who]["ms_per_step"] > 0 and r[who]["tokens_per_s"] > 0
+            assert r[who]["peak_gib"] is None                       # measured on CUDA only
+        assert r["speedup"] == pytest.approx(r["student"]["tokens_per_s"] / r["teacher"]["tokens_per_s"])
+    assert "student_graph" not in rows[0]                           # no graph path on CPU
+    text = "\n".join(lines)
+    assert "GLA ms/tok" in text and "teacher ms/tok" in text
+    saved = json.loads((tmp_path / "b" / "decode_bench.json").read_text())
+    assert saved["rows"][1]["context"] == 40
+    assert (tmp_path / "b" / "decode_bench.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_parse_contexts():
+    assert parse_contexts("1024, 4K,16k") == [1024, 4096, 16384]
+    with pytest.raises(GlaswapError, match="invalid context"):
+        parse_contexts("1024,lots")
+    with pytest.raises(GlaswapError, match="at least 1"):
+        parse_contexts("0")
+
+
+def _cli(*args):
+    return CliRunner().invoke(main, ["generate", *map(str, args)])
+
+
+def test_cli_generate_streams_text(folders):
+    result = _cli(folders["llama"], "--prompt", "the river", "--max-new-tokens", "6")
+    assert result.exit_code == 0, result.output
+    assert result.output.startswith("the river")
+    assert "6 tokens in" in result.output
+
+
+def test_cli_generate_sampling_is_seeded(folders):
+    args = (folders["llama"], "--prompt", "snow", "--max-new-tokens", "8", "--temperature", "1.5")
+    a, b, c = (_cli(*args, "--seed", seed).output.rsplit("\n[", 1)[0] for seed in ("3", "3", "4"))
+    assert a.startswith("snow") and a == b and a != c
+
+
+def test_cli_generate_bench(folders, tmp_path):
+    result = _cli(folders["llama"], "--bench", "--contexts", "8,16", "--new-tokens", "2", "--out", tmp_path)
+    assert result.exit_code == 0, result.output
+    assert "speedup" in result.output and (tmp_path / "decode_bench.json").is_file()
+
+
+@pytest.mark.parametrize("args, needle", [
+    (("--prompt", "  "), "prompt is empty"),
+    (("--bench", "--contexts", "8,x"), "invalid context"),
+    (("--prompt", "hi", "--graph", "on"), "needs a CUDA GPU"),
+    (("--bench", "--teacher", "self"), "no KV cache"),
+])
+def test_cli_generate_bad_input(folders, args, needle):
+    if "--graph" in args and torch.cuda.is_available():
+        pytest.skip("CUDA is available here")
+    result = _cli(folders["llama"], *args)
+    lines = [line for line in result.output.strip().splitlines() if line.strip()]
+    assert result.exit_code != 0 and len(lines) == 1 and lines[0].startswith("Error:"), result.output
+    assert needle in lines[0]
+
+
+def test_cli_generate_not_a_glaswap_model(tmp_path):
+    src = save_teacher(tiny_teacher("llama"), tmp_path / "plain")
+    result = _cli(src, "--prompt", "hi")
+    assert result.exit_code != 0 and result.output.strip().startswith("Error:")
+    assert "not a glaswap model" in result.output and len(result.output.strip().splitlines()) == 1
+
+
+def test_cli_generate_without_prompt(folders):
+    result = _cli(folders["llama"], "--max-new-tokens", "3")
+    assert result.exit_code != 0 and "--prompt" in result.output
+
+
+# ----------------------------------------------------------------------------- the benchmark script
+def test_bench_script_runs_from_the_repo_root(tmp_path):
+    """As on the GPU box: `python benchmarks/bench_generate.py` from the repo root, with
+    glaswap_kernels reachable only through a symlink to kernels/ on PYTHONPATH."""
+    shim = tmp_path / "shim"
+    shim.mkdir()
+    os.symlink(REPO / "kernels", shim / "glaswap_kernels")
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env["PYTHONPATH"] = str(shim)
+    cmd = [sys.executable, "benchmarks/bench_generate.py", "--shape", "tiny", "--contexts", "8,16",
+           "--new-tokens", "2", "--dtype", "float32", "--out", str(tmp_path / "out")]
+    proc = subprocess.run(cmd, cwd=str(REPO), env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    table = proc.stdout[proc.stdout.index("context"):]
+    assert "speedup" in table and len([line for line in table.splitlines() if line.strip()]) >= 3, proc.stdout
+    assert json.loads((tmp_path / "out" / "decode_bench.json").read_text())["rows"][0]["context"] == 8
+
+
+# ----------------------------------------------------------------------------- real model
+@pytest.mark.slow
+def test_real_smollm2_generates_the_same_with_and_without_cache(smollm2_gla):
+    from transformers import AutoTokenizer
+
+    folder, _ = smollm2_gla
+    tok = AutoTokenizer.from_pretrained(str(folder), trust_remote_code=True)
+    tok.pad_token = tok.pad_token or tok.eos_token
+    model = _load(folder)
+    enc = tok(["The river that runs through the valley", "Testing is how"], return_tensors="pt",
+              padding=True, padding_side="left")
+    kw = dict(attention_mask=enc.attention_mask, max_new_tokens=8, do_sample=False,
+              pad_token_id=tok.pad_token_id)
+    cached = model.generate(enc.input_ids, use_cache=True, **kw)
+    assert torch.equal(cached, model.generate(enc.input_ids, use_cache=False, **kw))
+    with torch.no_grad():
+        ids = cached[:1]
+        full = model(ids, use_cache=False).logits
+        out = model(ids[:, :10], use_cache=True)
+        steps = [out.logits] + [model(ids[:, t:t + 1], past_key_values=out.past_key_values,
+                                      use_cache=True).logits for t in range(10, ids.shape[1])]
+    torch.testing.assert_close(torch.cat(steps, 1), full, rtol=1e-3, atol=1e-3)
