@@ -1,0 +1,544 @@
+"""Benchmark glaswap's GLA Triton kernels against SDPA flash attention (and optionally fla).
+
+Prints one table: for each shape, forward and forward+backward median times (ms) of
+glaswap's fused_chunk_gla and of torch SDPA (flash backend, causal), the ratio SDPA/glaswap
+(> 1: glaswap is faster) and the fraction of the memory-traffic floor that glaswap reaches.
+Before timing, every shape is checked in bf16 against the float32 chunked PyTorch form
+(relative RMS of o, dq, dk, dv, dg) and marked pass/fail.
+
+    python benchmarks/bench_kernels.py                 # full table (~2-4 min on an H200)
+    python benchmarks/bench_kernels.py --quick         # 4 shapes, fewer repetitions
+    python benchmarks/bench_kernels.py --only glaswap --json out.json
+    python benchmarks/bench_kernels.py --set warps_g=4 --set BK_g=64   # tuning overrides
+    python benchmarks/bench_kernels.py --compare-fla /path/to/unpacked/fla   # extra columns
+    python benchmarks/bench_kernels.py --ptxas-report  # no GPU: registers/spills per kernel
+
+--compare-fla DIR: DIR holds an unpacked `flash-linear-attention==0.1.2` (fused_chunk_gla)
+or `fla-core==0.6.0` (chunk_gla) (e.g. `pip install --no-deps --target DIR fla-core==0.6.0`).
+fla is imported in a subprocess with DIR first on sys.path, so it never mixes with glaswap.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+
+import torch
+import torch.nn.functional as F
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+HBM_BYTES_PER_S = 4.3e12          # H200 copy bandwidth measured (KERNEL-NOTES.md)
+DRY_RUN = False                   # --dry-run: CPU, Triton interpreter, tiny shapes
+
+
+def _import_kernels():
+    try:
+        from glaswap_kernels import gla_torch, gla_triton
+    except ImportError:           # not installed: load kernels/ under its package name
+        import importlib.util
+        root = os.path.join(os.path.dirname(HERE), "kernels")
+        spec = importlib.util.spec_from_file_location(
+            "glaswap_kernels", os.path.join(root, "__init__.py"), submodule_search_locations=[root])
+        pkg = importlib.util.module_from_spec(spec)
+        sys.modules["glaswap_kernels"] = pkg
+        if os.path.exists(os.path.join(root, "__init__.py")):
+            spec.loader.exec_module(pkg)
+        from glaswap_kernels import gla_torch, gla_triton
+    return gla_torch, gla_triton
+
+
+# ----------------------------------------------------------------------------------------
+# Shapes
+# ----------------------------------------------------------------------------------------
+
+def shapes(quick: bool):
+    """Dicts with B, T, H, Hkv, K, V, seqs (document lengths for packed varlen, or None)."""
+    if DRY_RUN:                   # tiny shapes to exercise this script on CPU
+        return [dict(name="1x100 H2 D16", B=1, T=100, H=2, Hkv=2, K=16, V=16, seqs=None),
+                dict(name="1x100 H4/kv2 K16 V17 varlen", B=1, T=100, H=4, Hkv=2, K=16, V=17,
+                     seqs=[60, 1, 39])]
+    out = []
+    bts = [(8, 2048), (1, 16384)] if quick else [(8, 2048), (4, 4096), (2, 8192), (1, 16384)]
+    for H, D in [(32, 64), (16, 128)]:
+        for B, T in bts:
+            out.append(dict(name=f"{B}x{T} H{H} D{D}", B=B, T=T, H=H, Hkv=H, K=D, V=D, seqs=None))
+    if quick:
+        return out
+    for B, T in [(8, 2048), (1, 16384)]:
+        out.append(dict(name=f"{B}x{T} H32/kv8 D64 gqa", B=B, T=T, H=32, Hkv=8, K=64, V=64,
+                        seqs=None))
+    docs = [4096, 1000, 3000, 31, 2048, 5000, 1, 1208]            # 8 documents, 16384 tokens
+    out.append(dict(name="1x16384 H32 D64 varlen8", B=1, T=16384, H=32, Hkv=32, K=64, V=64,
+                    seqs=docs))
+    out.append(dict(name="8x2048 H32 K64 V65", B=8, T=2048, H=32, Hkv=32, K=64, V=65, seqs=None))
+    return out
+
+
+def floor_bytes(s, backward: bool) -> int:
+    """Bytes a perfect kernel must move in bf16: forward reads q, k, v, g and writes o;
+    backward reads q, k, v, g, do and writes dq, dk, dv, dg."""
+    n = s["B"] * s["T"]
+    q = n * s["H"] * s["K"]
+    k = g = n * s["Hkv"] * s["K"]
+    v = n * s["Hkv"] * s["V"]
+    o = n * s["H"] * s["V"]
+    fwd = q + k + v + g + o
+    bwd = (q + k + v + g + o) + (q + k + v + g)
+    return 2 * (fwd + (bwd if backward else 0))
+
+
+def make_inputs(s, n_sets, device, dtype=torch.bfloat16, seed=0):
+    """n_sets independent input sets (timing rotates through them so L2 does not flatter)."""
+    gen = torch.Generator(device=device).manual_seed(seed)
+    sets = []
+    for _ in range(n_sets):
+        B, T, H, Hkv, K, V = (s[x] for x in ("B", "T", "H", "Hkv", "K", "V"))
+        q = torch.randn(B, T, H, K, device=device, generator=gen).to(dtype)
+        k = torch.randn(B, T, Hkv, K, device=device, generator=gen).to(dtype)
+        v = torch.randn(B, T, Hkv, V, device=device, generator=gen).to(dtype)
+        g = (F.logsigmoid(torch.randn(B, T, Hkv, K, device=device, generator=gen)) / 16).to(dtype)
+        do = torch.randn(B, T, H, V, device=device, generator=gen).to(dtype)
+        sets.append((q, k, v, g, do))
+    cu = None
+    if s["seqs"] is not None:
+        bounds = [0]
+        for n in s["seqs"]:
+            bounds.append(bounds[-1] + n)
+        cu = torch.tensor(bounds, dtype=torch.int32, device=device)
+    return sets, cu
+
+
+# ----------------------------------------------------------------------------------------
+# Correctness
+# ----------------------------------------------------------------------------------------
+
+def rel(x, ref):
+    x, ref = x.double(), ref.double()
+    return ((x - ref).norm() / ref.norm().clamp_min(1e-300)).item()
+
+
+def check(s, gla_torch, gla_triton, device, tol=2e-2):
+    """bf16 kernels vs the float32 chunked torch form on the same bf16 values."""
+    sets, cu = make_inputs(s, 1, device, seed=123)
+    (q, k, v, g, do), = sets
+    xs = [x.clone().requires_grad_() for x in (q, k, v, g)]
+    rs = [x.float().requires_grad_() for x in (q, k, v, g)]
+    o, _ = gla_triton.fused_chunk_gla(*xs, cu_seqlens=cu)
+    o_r, _ = gla_torch.chunk_gla_torch(*rs, cu_seqlens=cu)
+    grads = torch.autograd.grad(o, xs, do)
+    grads_r = torch.autograd.grad(o_r, rs, do.float())
+    errs = {"o": rel(o, o_r)}
+    for name, a, b in zip(("dq", "dk", "dv", "dg"), grads, grads_r):
+        errs[name] = rel(a, b)
+    ok = all(e <= tol for e in errs.values())                # NaN fails too
+    return ok, errs
+
+
+# ----------------------------------------------------------------------------------------
+# Timing
+# ----------------------------------------------------------------------------------------
+
+def bench(fn, quick):
+    if DRY_RUN:
+        import time
+        fn()
+        start = time.perf_counter()
+        fn()
+        return (time.perf_counter() - start) * 1e3
+    import triton.testing
+    return triton.testing.do_bench(fn, warmup=10 if quick else 25, rep=40 if quick else 100,
+                                   return_mode="median")
+
+
+def _rotating(sets):
+    state = {"i": 0}
+
+    def nxt():
+        state["i"] = (state["i"] + 1) % len(sets)
+        return sets[state["i"]]
+    return nxt
+
+
+def time_glaswap(s, gla_triton, device, quick):
+    sets, cu = make_inputs(s, 3, device)
+    grad_sets = [tuple(x.clone().requires_grad_() for x in st[:4]) + (st[4],) for st in sets]
+    nxt_f, nxt_b = _rotating(sets), _rotating(grad_sets)
+
+    def fwd():
+        q, k, v, g, _ = nxt_f()
+        with torch.no_grad():
+            gla_triton.fused_chunk_gla(q, k, v, g, cu_seqlens=cu)
+
+    def fwd_bwd():
+        q, k, v, g, do = nxt_b()
+        o, _ = gla_triton.fused_chunk_gla(q, k, v, g, cu_seqlens=cu)
+        torch.autograd.grad(o, (q, k, v, g), do)
+
+    return bench(fwd, quick), bench(fwd_bwd, quick)
+
+
+def time_sdpa(s, device, quick):
+    """Causal flash attention on [B, H, T, D]; None where it does not apply."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    backend = SDPBackend.MATH if DRY_RUN else SDPBackend.FLASH_ATTENTION
+    if s["seqs"] is not None or s["K"] != s["V"]:
+        return None, None             # packed documents / V != K: no like-for-like SDPA call
+    B, T, H, Hkv, D = s["B"], s["T"], s["H"], s["Hkv"], s["K"]
+    gen = torch.Generator(device=device).manual_seed(0)
+    sets = []
+    for _ in range(3):
+        q = torch.randn(B, H, T, D, device=device, generator=gen, dtype=torch.bfloat16)
+        k = torch.randn(B, Hkv, T, D, device=device, generator=gen, dtype=torch.bfloat16)
+        v = torch.randn(B, Hkv, T, D, device=device, generator=gen, dtype=torch.bfloat16)
+        do = torch.randn(B, H, T, D, device=device, generator=gen, dtype=torch.bfloat16)
+        sets.append((q.requires_grad_(), k.requires_grad_(), v.requires_grad_(), do))
+    nxt = _rotating(sets)
+    gqa = dict(enable_gqa=True) if Hkv != H else {}
+
+    def fwd():
+        q, k, v, _ = nxt()
+        with torch.no_grad(), sdpa_kernel(backend):
+            F.scaled_dot_product_attention(q, k, v, is_causal=True, **gqa)
+
+    def fwd_bwd():
+        q, k, v, do = nxt()
+        with sdpa_kernel(backend):
+            o = F.scaled_dot_product_attention(q, k, v, is_causal=True, **gqa)
+        torch.autograd.grad(o, (q, k, v), do)
+
+    try:
+        return bench(fwd, quick), bench(fwd_bwd, quick)
+    except RuntimeError as err:       # e.g. no flash kernel for GQA on this torch
+        print(f"  sdpa {s['name']}: {str(err).splitlines()[0][:100]}", file=sys.stderr)
+        return None, None
+
+
+# ----------------------------------------------------------------------------------------
+# fla, in a subprocess
+# ----------------------------------------------------------------------------------------
+
+def fla_worker(fla_dir, quick):
+    """Runs in the subprocess: times fla's GLA at every shape, prints one JSON line."""
+    sys.path.insert(0, fla_dir)
+    import inspect
+    import fla.ops.gla as fla_gla
+    fn = getattr(fla_gla, "chunk_gla", None)
+    label = "chunk_gla"
+    if fn is None or os.environ.get("GLASWAP_FLA_FN") == "fused_chunk_gla":
+        fn, label = fla_gla.fused_chunk_gla, "fused_chunk_gla"
+    params = inspect.signature(fn).parameters
+    # fla's layout: [B, T, H, D] with head_first=False where the argument exists; the old
+    # 0.1.x releases had no head_first and no cu_seqlens and took [B, H, T, D].
+    time_major = "head_first" in params or "cu_seqlens" in params
+    extra = {"head_first": False} if "head_first" in params else {}
+    version = getattr(sys.modules.get("fla"), "__version__", "?")
+    device = "cpu" if DRY_RUN else "cuda"
+    results = {}
+    for s in shapes(quick):
+        key = s["name"]
+        if s["Hkv"] != s["H"] or (s["seqs"] is not None and "cu_seqlens" not in params):
+            results[key] = None
+            continue
+        try:
+            sets, cu = make_inputs(s, 3, device)
+            if not time_major:
+                sets = [tuple(x.transpose(1, 2).contiguous() for x in st) for st in sets]
+            grad_sets = [tuple(x.clone().requires_grad_() for x in st[:4]) + (st[4],)
+                         for st in sets]
+            kw = dict(extra)
+            if cu is not None:
+                kw["cu_seqlens"] = cu.long()
+            nxt_f, nxt_b = _rotating(sets), _rotating(grad_sets)
+
+            def fwd():
+                q, k, v, g, _ = nxt_f()
+                with torch.no_grad():
+                    fn(q, k, v, g, **kw)
+
+            def fwd_bwd():
+                q, k, v, g, do = nxt_b()
+                o = fn(q, k, v, g, **kw)[0]
+                torch.autograd.grad(o, (q, k, v, g), do)
+
+            results[key] = (bench(fwd, quick), bench(fwd_bwd, quick))
+        except Exception as err:  # noqa: BLE001 - report and go on with the other shapes
+            print(f"  fla {key}: {type(err).__name__}: {str(err)[:120]}", file=sys.stderr)
+            results[key] = None
+    print("FLA_JSON " + json.dumps({"label": f"fla {version} {label}", "results": results}))
+
+
+def run_fla(fla_dir, quick):
+    cmd = [sys.executable, os.path.abspath(__file__), "--_fla-worker", fla_dir]
+    if quick:
+        cmd.append("--quick")
+    if DRY_RUN:
+        cmd.append("--dry-run")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([fla_dir, os.environ.get("PYTHONPATH", "")]))
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=900)
+    sys.stderr.write(proc.stderr[-3000:])
+    for line in proc.stdout.splitlines():
+        if line.startswith("FLA_JSON "):
+            return json.loads(line[len("FLA_JSON "):])
+    print(f"fla comparison failed (exit {proc.returncode}); see stderr above", file=sys.stderr)
+    return None
+
+
+# ----------------------------------------------------------------------------------------
+# Compile report: every kernel compiled for a GPU target without a GPU (registers, spills)
+# ----------------------------------------------------------------------------------------
+
+PTXAS_CASES = [
+    # (dtype, B, T, H, Hkv, K, V, documents)
+    ("bf16", 2, 2048, 32, 32, 64, 64, None),
+    ("bf16", 2, 2048, 16, 16, 128, 128, None),
+    ("bf16", 2, 2048, 32, 8, 64, 64, None),
+    ("bf16", 1, 4096, 32, 32, 64, 65, [1000, 3000, 96]),
+    ("fp16", 1, 1024, 8, 4, 80, 48, None),
+    ("fp32", 1, 1024, 8, 8, 256, 257, None),
+]
+
+
+def ptxas_report(cases=PTXAS_CASES, arch=90, out=sys.stdout):
+    """Runs the host code of fused_chunk_gla (forward + backward) and fused_recurrent_gla on
+    CPU tensors with every kernel launch recorded instead of run, compiles each recorded
+    launch for sm_<arch> with Triton and ptxas, and prints registers, spills and shared
+    memory. Needs no GPU and TRITON_INTERPRET unset. Returns the rows (dicts)."""
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        raise RuntimeError("the compile report needs TRITON_INTERPRET unset")
+    import re
+    import shutil
+    import tempfile
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    from triton.runtime.jit import JITFunction
+
+    _, gla_triton = _import_kernels()
+    tdt = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32",
+           torch.int32: "i32", torch.int64: "i64"}
+    calls = []
+
+    class Recorder:
+        def __init__(self, fn):
+            self.fn = fn
+
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: calls.append((self.fn, grid, args, kwargs))
+
+    saved = {}
+    for name in dir(gla_triton):
+        obj = getattr(gla_triton, name)
+        if isinstance(obj, JITFunction) and name.endswith("_kernel"):
+            saved[name] = obj
+            setattr(gla_triton, name, Recorder(obj))
+    saved_interp = gla_triton._interpreting
+    gla_triton._interpreting = lambda: True          # accept CPU tensors: nothing launches
+    try:
+        for dt, B, T, H, Hkv, K, V, docs in cases:
+            dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[dt]
+            N = B if docs is None else len(docs)
+            q = torch.zeros(B, T, H, K, dtype=dtype)
+            k = torch.zeros(B, T, Hkv, K, dtype=dtype)
+            v = torch.zeros(B, T, Hkv, V, dtype=dtype)
+            cu = None
+            if docs is not None:
+                cu = torch.tensor([0] + [sum(docs[:i + 1]) for i in range(len(docs))],
+                                  dtype=torch.int32)
+            h0 = torch.zeros(N, Hkv, K, V)
+            o, ht, hbuf, meta = gla_triton._forward(q, k, v, k, K ** -0.5, h0, True, cu, None, None)
+            gla_triton._backward(q, k, v, k, K ** -0.5, hbuf, meta, o, ht, True)
+            if docs is None:
+                gla_triton.fused_recurrent_gla(q[:, :1], k[:, :1], v[:, :1], k[:, :1],
+                                               initial_state=h0, output_final_state=True)
+    finally:
+        for name, obj in saved.items():
+            setattr(gla_triton, name, obj)
+        gla_triton._interpreting = saved_interp
+
+    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+    if not os.path.exists(ptxas):
+        ptxas = shutil.which("ptxas")
+    target = GPUTarget("cuda", arch, 32)
+    rows, seen = [], set()
+    for fn, grid, args, kwargs in calls:
+        signature, constexprs, attrs = {}, {}, {}
+        for i, param in enumerate(fn.params):
+            if param.is_constexpr:
+                signature[param.name] = "constexpr"
+                constexprs[param.name] = kwargs[param.name]
+                continue
+            value = args[i]
+            if value is None or (isinstance(value, int) and value == 1):
+                signature[param.name] = "constexpr"      # as Triton specialises at launch
+                constexprs[param.name] = value
+            elif isinstance(value, torch.Tensor):
+                signature[param.name] = "*" + tdt[value.dtype]
+                attrs[(i,)] = [["tt.divisibility", 16]]
+            elif isinstance(value, int):
+                signature[param.name] = "i32" if abs(value) < 2 ** 31 else "i64"
+                if value % 16 == 0:
+                    attrs[(i,)] = [["tt.divisibility", 16]]
+            else:
+                signature[param.name] = "fp32"
+        options = {"num_warps": kwargs.get("num_warps", 4),
+                   "num_stages": kwargs.get("num_stages", 3)}
+        key = (fn.__name__, str(sorted(signature.items())), str(sorted(constexprs.items())),
+               str(options))
+        if key in seen:
+            continue
+        seen.add(key)
+        compiled = triton.compile(ASTSource(fn, signature, constexprs, attrs), target=target,
+                                  options=options)
+        regs = spills = None
+        if ptxas:
+            with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
+                f.write(compiled.asm["ptx"])
+            res = subprocess.run([ptxas, "-v", f"--gpu-name=sm_{arch}a", f.name, "-o", os.devnull],
+                                 capture_output=True, text=True)
+            os.unlink(f.name)
+            m = re.search(r"Used (\d+) registers", res.stderr)
+            regs = int(m.group(1)) if m else None
+            m = re.search(r"(\d+) bytes spill stores", res.stderr)
+            spills = int(m.group(1)) if m else None
+        shown = {k: v for k, v in constexprs.items()
+                 if k in ("K", "V", "BT", "BK", "BV", "R", "NK", "NV", "WITH_DV", "IS_VARLEN",
+                          "DOT_BF16")}
+        row = dict(kernel=fn.__name__, grid=str(grid), regs=regs, spill_bytes=spills,
+                   smem=compiled.metadata.shared, **options, **shown)
+        rows.append(row)
+        print(f"{fn.__name__:20s} warps={options['num_warps']} stages={options['num_stages']} "
+              f"regs={regs} spill={spills} smem={row['smem']:6d}  {shown}", file=out)
+    return rows
+
+
+# ----------------------------------------------------------------------------------------
+# Main
+# ----------------------------------------------------------------------------------------
+
+def _parse_sets(items):
+    out = {}
+    for item in items or []:
+        key, _, value = item.partition("=")
+        try:
+            out[key] = int(value)
+        except ValueError:
+            out[key] = value
+    return out
+
+
+def _fmt(x, spec="7.3f"):
+    return f"{x:{spec}}" if x is not None else " " * (int(spec.split(".")[0]) - 3) + "n/a"
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--only", choices=["glaswap", "sdpa"])
+    ap.add_argument("--quick", action="store_true", help="4 shapes, fewer repetitions")
+    ap.add_argument("--json", metavar="PATH", help="also write the results as JSON")
+    ap.add_argument("--compare-fla", metavar="DIR", help="folder with an unpacked fla release")
+    ap.add_argument("--set", action="append", metavar="KEY=VALUE",
+                    help="override a launch parameter of gla_triton._Config (tuning)")
+    ap.add_argument("--no-check", action="store_true", help="skip the correctness checks")
+    ap.add_argument("--dry-run", action="store_true",
+                    help="test this script on CPU (Triton interpreter, tiny shapes, rough timer)")
+    ap.add_argument("--ptxas-report", action="store_true",
+                    help="no GPU needed: compile every kernel for sm_90, print registers/spills")
+    ap.add_argument("--_fla-worker", dest="fla_worker", help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    global DRY_RUN
+    DRY_RUN = args.dry_run
+    if args.ptxas_report:
+        _, gla_triton = _import_kernels()
+        gla_triton.OVERRIDES.update(_parse_sets(args.set))
+        rows = ptxas_report()
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(rows, f, indent=1)
+        return 0
+
+    if args.fla_worker:
+        fla_worker(args.fla_worker, args.quick)
+        return 0
+    if DRY_RUN:
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+        # the tests' conftest fixes the interpreter's bf16 arithmetic; reuse it
+        import importlib.util
+        spec = importlib.util.spec_from_file_location(
+            "_glaswap_test_conftest", os.path.join(os.path.dirname(HERE), "tests", "conftest.py"))
+        spec.loader.exec_module(importlib.util.module_from_spec(spec))
+        device = "cpu"
+    elif not torch.cuda.is_available():
+        print("needs a CUDA GPU (or --dry-run)", file=sys.stderr)
+        return 2
+    else:
+        device = "cuda"
+    gla_torch, gla_triton = _import_kernels()
+    gla_triton.OVERRIDES.update(_parse_sets(args.set))
+    import triton
+    device_name = torch.cuda.get_device_name() if device == "cuda" else "cpu (dry run)"
+    print(f"# {device_name} | torch {torch.__version__} | triton "
+          f"{triton.__version__} | overrides {gla_triton.OVERRIDES or '-'}")
+
+    fla = None
+    if args.compare_fla:
+        fla = run_fla(args.compare_fla, args.quick)
+    else:
+        print("# fla comparison skipped (no --compare-fla DIR given)")
+
+    rows = []
+    for s in shapes(args.quick):
+        row = {"shape": s["name"], "floor_fwd_ms": floor_bytes(s, False) / HBM_BYTES_PER_S * 1e3,
+               "floor_fb_ms": floor_bytes(s, True) / HBM_BYTES_PER_S * 1e3}
+        if args.only != "sdpa":
+            if not args.no_check:
+                ok, errs = check(s, gla_torch, gla_triton, device)
+                row["check"] = "pass" if ok else "FAIL"
+                row["errors"] = errs
+                if not ok:
+                    print(f"  CHECK FAILED {s['name']}: {errs}", file=sys.stderr)
+            row["glaswap_fwd"], row["glaswap_fb"] = time_glaswap(s, gla_triton, device, args.quick)
+        if args.only != "glaswap":
+            row["sdpa_fwd"], row["sdpa_fb"] = time_sdpa(s, device, args.quick)
+        if fla is not None:
+            r = fla["results"].get(s["name"])
+            row["fla_fwd"], row["fla_fb"] = r if r else (None, None)
+        rows.append(row)
+        torch.cuda.empty_cache()
+
+    # One table.
+    head = (f"{'shape':28s} {'check':5s} | {'gla fwd':>7s} {'gla f+b':>7s} | {'sdpa fwd':>8s} "
+            f"{'sdpa f+b':>8s} | {'x sdpa f':>8s} {'x sdpa fb':>9s} | {'floor f':>7s} {'floor fb':>8s}")
+    if fla is not None:
+        head += f" | {'fla fwd':>7s} {'fla f+b':>7s}"
+    print(head)
+    print("-" * len(head))
+    for r in rows:
+        gf, gb = r.get("glaswap_fwd"), r.get("glaswap_fb")
+        sf, sb = r.get("sdpa_fwd"), r.get("sdpa_fb")
+        ratio_f = sf / gf if gf and sf else None
+        ratio_b = sb / gb if gb and sb else None
+        frac_f = r["floor_fwd_ms"] / gf if gf else None
+        frac_b = r["floor_fb_ms"] / gb if gb else None
+        line = (f"{r['shape']:28s} {r.get('check', '-'):5s} | {_fmt(gf)} {_fmt(gb)} | "
+                f"{_fmt(sf, '8.3f')} {_fmt(sb, '8.3f')} | {_fmt(ratio_f, '8.2f')} "
+                f"{_fmt(ratio_b, '9.2f')} | {_fmt(frac_f, '7.0%')} {_fmt(frac_b, '8.0%')}")
+        if fla is not None:
+            line += f" | {_fmt(r.get('fla_fwd'))} {_fmt(r.get('fla_fb'))}"
+        print(line)
+    print("# times: median ms (triton.testing.do_bench, 3 rotating input sets); x sdpa = SDPA "
+          "time / glaswap time; floor = memory-traffic floor at 4.3 TB/s / glaswap time")
+    if fla is not None:
+        print(f"# fla columns: {fla['label']}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"device": device_name, "torch": torch.__version__,
+                       "triton": triton.__version__, "overrides": gla_triton.OVERRIDES,
+                       "fla": fla and fla["label"], "rows": rows}, f, indent=1)
+    return 0 if all(r.get("check", "pass") == "pass" for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

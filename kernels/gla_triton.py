@@ -1,0 +1,915 @@
+"""Gated linear attention in Triton: chunk-parallel training kernels and a decoding kernel.
+
+Same contract as `gla_torch.chunk_gla_torch` / `recurrent_gla_torch` (see that file):
+    q [B, T, H, K]; k, g [B, T, Hkv, K]; v [B, T, Hkv, V]; H a multiple of Hkv.
+    g holds per-step log-decays (<= 0). o [B, T, H, V]; states [B, Hkv, K, V] float32
+    (or [N, Hkv, K, V] with cu_seqlens, B = 1: the state restarts at each boundary).
+The query heads of a group read the same KV state: k, v, g are never repeated per head.
+
+Math per chunk of C tokens with start state h (K x V), G = in-chunk cumulative sum of g
+(kept in log2 units, fp32, recomputed in registers wherever needed and never stored):
+    o_i    = s * (q_i e^{G_i}) h + s * sum_{j<=i} P_ij v_j,  P_ij = sum_k q_ik k_jk e^{G_ik - G_jk}
+    h_next = e^{G_last} h + sum_j (k_j e^{G_last - G_j})^T v_j
+P is one tensor-core matmul of (q e^G)(k e^-G)^T when the chunk's total decay is below SAFE
+(every factor then fits the fp32/bf16 exponent range); otherwise ("slow path", strong decays)
+it is built row by row with every exponent clamped to <= 0. The choice is made per program
+and per K tile, so it is uniform inside a program.
+
+Kernels (grid in brackets; N = sequences, NT = chunks of a sequence, NTtot = all chunks):
+  forward   _fwd_state_kernel   [NK, NV, N*Hkv]   walks the chunks, writes every chunk-start state
+            _fwd_output_kernel  [NTtot, Hkv]      o for every query head of the group
+  backward  _bwd_dh_kernel      [NK, NV, N*Hkv]   reverse walk, writes every dh at chunk starts
+            _bwd_dqkg_kernel    [NK, NTtot, Hkv]  dq (each head), dk, dg (+ dv when merge_dv)
+            _bwd_dv_kernel      [NV, NTtot, Hkv]  dv (skipped when merge_dv)
+  decoding  _recurrent_kernel   [NV, B*Hkv]       token by token, state in registers
+The chunk-start states of the forward pass (bf16 for bf16 inputs, fp32 otherwise) are kept
+for the backward pass instead of being recomputed.
+
+dg needs no global pass: with dGabs_t = sum_heads q_t*dq_t - k_t*dk_t, dg_s is the reverse
+in-chunk cumulative sum of dGabs from s to the chunk end plus
+r_{n+1}[k] = sum_v h_{n+1}[k, v] * dh_{n+1}[k, v] (scaling the state at a chunk boundary by
+e^gamma is the same as adding gamma to the next step's log-decay). _bwd_dqkg_kernel
+evaluates that sum with its cancelling O(1) terms removed analytically (see there), so dg
+keeps its relative precision under strong decays.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+try:
+    # Triton is optional for the callers of this module (they fall back to gla_torch);
+    # the try block also keeps transformers' remote-code import checker from requiring it.
+    import triton
+    import triton.language as tl
+except ImportError:
+    raise
+
+__all__ = ["fused_chunk_gla", "fused_recurrent_gla"]
+
+# Debug switch for the tests: when True, every buffer a kernel must fully write is allocated
+# full of NaN, so a region the kernels forget shows up as NaN instead of stale zeros.
+POISON = False
+
+# Tuning hook: attribute -> value pairs that replace _Config's choices (e.g. {"warps_o": 8}).
+OVERRIDES: dict = {}
+
+_LOG2E = tl.constexpr(1.4426950408889634)
+# Largest total in-chunk decay, in log2 units (2^80 ~ e^55), for which the factorised scores
+# are used: q*2^G and k*2^-G then stay within 2^-80..2^80, and even the masked upper-triangle
+# products (at most 2^80 |q||k| K) stay far below the fp32/bf16 limit of 2^128.
+_SAFE = tl.constexpr(80.0)
+
+
+# ----------------------------------------------------------------------------------------
+# Small helpers (inlined by Triton)
+# ----------------------------------------------------------------------------------------
+
+@triton.jit
+def _mm(a, b, DOT_BF16: tl.constexpr, PREC: tl.constexpr):
+    """a @ b with fp32 accumulation: bf16 operands for bf16 inputs, fp32 ones otherwise (fp16
+    inputs use fp32 operands because the factorised decays overflow fp16's 65504)."""
+    if DOT_BF16:
+        return tl.dot(a.to(tl.bfloat16), b.to(tl.bfloat16))
+    else:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision=PREC)
+
+
+@triton.jit
+def _op(x, DOT_BF16: tl.constexpr):
+    """A matmul operand in the dtype the dot will use: converting loop-invariant operands once
+    (and keeping them at half the size in registers for bf16)."""
+    if DOT_BF16:
+        return x.to(tl.bfloat16)
+    else:
+        return x.to(tl.float32)
+
+
+@triton.jit
+def _seq_bounds(i_n, cu_seqlens, chunk_offsets, T, BT: tl.constexpr, IS_VARLEN: tl.constexpr):
+    """First token, end token and first global chunk index of sequence i_n (all int64)."""
+    if IS_VARLEN:
+        bos = tl.load(cu_seqlens + i_n).to(tl.int64)
+        eos = tl.load(cu_seqlens + i_n + 1).to(tl.int64)
+        c0 = tl.load(chunk_offsets + i_n).to(tl.int64)
+    else:
+        bos = i_n.to(tl.int64) * T
+        eos = bos + T
+        c0 = i_n.to(tl.int64) * tl.cdiv(T, BT)
+    return bos, eos, c0
+
+
+@triton.jit
+def _chunk_coords(i_c, chunk_indices, T, BT: tl.constexpr, IS_VARLEN: tl.constexpr):
+    """(sequence, chunk within the sequence) of global chunk i_c."""
+    if IS_VARLEN:
+        i_n = tl.load(chunk_indices + 2 * i_c)
+        i_t = tl.load(chunk_indices + 2 * i_c + 1)
+    else:
+        NT = tl.cdiv(T, BT)
+        i_n = i_c // NT
+        i_t = i_c % NT
+    return i_n, i_t
+
+
+@triton.jit
+def _load_rows(ptr, t0, n_valid, stride_t, c0, n_cols, BT: tl.constexpr, BC: tl.constexpr):
+    """[BT, BC] tile of a [tokens, ..] tensor: rows t0.., columns c0.. (ptr at the head).
+    Rows past the sequence end and columns past the head dim read as 0, so a masked row has
+    k = v = q = 0 and g = 0 (it then leaves states and cumulative gates untouched).
+    The 64-bit part of the address is one scalar; per-element offsets are int32 (they stay
+    below BT * stride), which keeps pointer tiles from eating registers."""
+    rows = tl.arange(0, BT)
+    cols = c0 + tl.arange(0, BC)
+    mask = (rows < n_valid)[:, None] & (cols < n_cols)[None, :]
+    base = ptr + t0 * stride_t
+    return tl.load(base + (rows[:, None] * stride_t + cols[None, :]), mask=mask, other=0.0)
+
+
+@triton.jit
+def _store_rows(ptr, x, t0, n_valid, stride_t, c0, n_cols, BT: tl.constexpr, BC: tl.constexpr):
+    rows = tl.arange(0, BT)
+    cols = c0 + tl.arange(0, BC)
+    mask = (rows < n_valid)[:, None] & (cols < n_cols)[None, :]
+    base = ptr + t0 * stride_t
+    tl.store(base + (rows[:, None] * stride_t + cols[None, :]), x.to(ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _load_state(ptr, k0, v0, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr):
+    """[BK, BV] tile of a row-major K x V state at ptr, as fp32."""
+    rk = k0 + tl.arange(0, BK)
+    rv = v0 + tl.arange(0, BV)
+    mask = (rk < K)[:, None] & (rv < V)[None, :]
+    return tl.load(ptr + rk[:, None] * V + rv[None, :], mask=mask, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _store_state(ptr, x, k0, v0, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr):
+    rk = k0 + tl.arange(0, BK)
+    rv = v0 + tl.arange(0, BV)
+    mask = (rk < K)[:, None] & (rv < V)[None, :]
+    tl.store(ptr + rk[:, None] * V + rv[None, :], x.to(ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _gates(gp, t0, n_valid, stride_t, c0, K: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr):
+    """In-chunk cumulative log2-decay G [BT, BK] and its last value G_last [BK], fp32.
+    Masked rows have g = 0, so the sum over all rows is G at the last valid token."""
+    b_g = _load_rows(gp, t0, n_valid, stride_t, c0, K, BT, BK)
+    return _cum_gates(b_g)
+
+
+@triton.jit
+def _cum_gates(b_g):
+    """(G, G_last) of a loaded [BT, BK] tile of log-decays (any float dtype)."""
+    b_g = b_g.to(tl.float32) * _LOG2E
+    return tl.cumsum(b_g, axis=0), tl.sum(b_g, axis=0)
+
+
+@triton.jit
+def _excl_cumsum(x, BT: tl.constexpr):
+    """Exclusive cumulative sum over rows: out_s = sum_{j<s} x_j. The shift is a gather so
+    the result never subtracts a large x_s from an inclusive sum."""
+    rows = tl.arange(0, BT)
+    prev = tl.broadcast_to(tl.maximum(rows - 1, 0)[:, None], x.shape)
+    shifted = tl.where(rows[:, None] > 0, tl.gather(x, prev, axis=0), 0.0)
+    return tl.cumsum(shifted, axis=0)
+
+
+@triton.jit
+def _scores_slow(b_q, b_k, gp, t0, n_valid, stride_t, c0, K: tl.constexpr,
+                 BT: tl.constexpr, BK: tl.constexpr):
+    """P_ij = sum_k q_ik k_jk 2^{min(G_ik - G_jk, 0)} for one K tile, row by row: no exponent
+    is positive, so strong decays underflow to 0 instead of overflowing. Entries j > i are
+    finite garbage that the caller masks. g is reloaded (cheap, rare path) so that the fast
+    path does not keep G alive in registers."""
+    G, _ = _gates(gp, t0, n_valid, stride_t, c0, K, BT, BK)
+    rows = tl.arange(0, BT)
+    P = tl.zeros([BT, BT], dtype=tl.float32)
+    for i in range(BT):
+        sel = rows == i
+        # row i of q and G (written out: nested jit calls are slow under the interpreter)
+        q_i = tl.sum(tl.where(sel[:, None], b_q, 0.0), axis=0)
+        G_i = tl.sum(tl.where(sel[:, None], G, 0.0), axis=0)
+        E = tl.exp2(tl.minimum(G_i[None, :] - G, 0.0))              # [BT(j), BK]
+        p_i = tl.sum(q_i[None, :] * b_k * E, axis=1)                 # [BT(j)]
+        P = tl.where(sel[:, None], p_i[None, :], P)
+    return P
+
+
+@triton.jit
+def _dqk_slow(dP, b_q, b_k, gp, t0, n_valid, stride_t, c0, K: tl.constexpr,
+              BT: tl.constexpr, BK: tl.constexpr):
+    """Intra-chunk dq_i = sum_{j<=i} dP_ij k_j 2^{G_i - G_j} and dk_j = sum_{i>=j} dP_ij q_i 2^{G_i - G_j}
+    row by row (dP must be causally masked: its zeros stand in for the mask)."""
+    G, _ = _gates(gp, t0, n_valid, stride_t, c0, K, BT, BK)
+    rows = tl.arange(0, BT)
+    dq = tl.zeros([BT, BK], dtype=tl.float32)
+    dk = tl.zeros([BT, BK], dtype=tl.float32)
+    for i in range(BT):
+        sel = rows == i
+        q_i = tl.sum(tl.where(sel[:, None], b_q, 0.0), axis=0)
+        G_i = tl.sum(tl.where(sel[:, None], G, 0.0), axis=0)
+        dp_i = tl.sum(tl.where(sel[:, None], dP, 0.0), axis=0)      # row i of dP, [BT(j)]
+        E = tl.exp2(tl.minimum(G_i[None, :] - G, 0.0))              # [BT(j), BK]
+        dq_i = tl.sum(dp_i[:, None] * b_k * E, axis=0)               # [BK]
+        dq = tl.where(sel[:, None], dq_i[None, :], dq)
+        dk += dp_i[:, None] * q_i[None, :] * E
+    return dq, dk
+
+
+# ----------------------------------------------------------------------------------------
+# Forward
+# ----------------------------------------------------------------------------------------
+
+@triton.jit
+def _fwd_state_kernel(k, v, g, h0, ht, hbuf, cu_seqlens, chunk_offsets, T,
+                      Hkv: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
+                      BK: tl.constexpr, BV: tl.constexpr, USE_H0: tl.constexpr,
+                      STORE_HT: tl.constexpr, IS_VARLEN: tl.constexpr, DOT_BF16: tl.constexpr,
+                      PREC: tl.constexpr):
+    """Sequential over the chunks of one sequence, for one (K tile, V tile, KV head).
+    hbuf[c0 + n + i] = state at the start of chunk i; entry NT is the final state.
+    Only the last line of the loop depends on the carried state, so the next chunk's k, g, v
+    are loaded one iteration ahead (by hand: the loop holds stores, which keeps Triton's
+    pipeliner away) and their latency hides behind this chunk's work."""
+    i_k = tl.program_id(0)
+    i_v = tl.program_id(1)
+    i_nh = tl.program_id(2)
+    i_n = i_nh // Hkv
+    i_h = i_nh % Hkv
+    bos, eos, c0 = _seq_bounds(i_n, cu_seqlens, chunk_offsets, T, BT, IS_VARLEN)
+    NT = tl.cdiv(eos - bos, BT)
+    k0 = i_k * BK
+    v0 = i_v * BV
+
+    b_h = tl.zeros([BK, BV], dtype=tl.float32)
+    if USE_H0:
+        b_h += _load_state(h0 + i_nh.to(tl.int64) * K * V, k0, v0, K, V, BK, BV)
+    kp = k + i_h * K
+    gp = g + i_h * K
+    vp = v + i_h * V
+    # chunk 0 (all masked when the sequence is empty)
+    n_k = _load_rows(kp, bos, eos - bos, Hkv * K, k0, K, BT, BK)
+    n_g = _load_rows(gp, bos, eos - bos, Hkv * K, k0, K, BT, BK)
+    n_v = _load_rows(vp, bos, eos - bos, Hkv * V, v0, V, BT, BV)
+    for i_t in range(NT):
+        b_k = n_k.to(tl.float32)
+        b_g = n_g
+        b_v = n_v
+        t1 = bos + (i_t + 1) * BT                         # next chunk (masked past the end)
+        n_k = _load_rows(kp, t1, eos - t1, Hkv * K, k0, K, BT, BK)
+        n_g = _load_rows(gp, t1, eos - t1, Hkv * K, k0, K, BT, BK)
+        n_v = _load_rows(vp, t1, eos - t1, Hkv * V, v0, V, BT, BV)
+
+        hp = hbuf + ((c0 + i_n + i_t) * Hkv + i_h) * K * V
+        _store_state(hp, b_h, k0, v0, K, V, BK, BV)
+        G, G_last = _cum_gates(b_g)
+        # k decayed to the chunk end: exponent G_last - G <= 0.
+        k_end = b_k * tl.exp2(G_last[None, :] - G)
+        b_h = b_h * tl.exp2(G_last)[:, None] + _mm(tl.trans(k_end), b_v, DOT_BF16, PREC)
+    hp = hbuf + ((c0 + i_n + NT) * Hkv + i_h) * K * V
+    _store_state(hp, b_h, k0, v0, K, V, BK, BV)
+    if STORE_HT:
+        _store_state(ht + i_nh.to(tl.int64) * K * V, b_h, k0, v0, K, V, BK, BV)
+
+
+@triton.jit
+def _fwd_output_kernel(q, k, v, g, o, hbuf, cu_seqlens, chunk_offsets, chunk_indices, T, scale,
+                       H: tl.constexpr, Hkv: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+                       BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+                       NK: tl.constexpr, NV: tl.constexpr, R: tl.constexpr,
+                       IS_VARLEN: tl.constexpr, DOT_BF16: tl.constexpr, PREC: tl.constexpr):
+    """o for one chunk and every query head of one KV group. When K fits one tile the k-side
+    work (loads, 2^G, k 2^-G) is done once for the group; otherwise it is redone per head."""
+    i_c = tl.program_id(0)
+    i_h = tl.program_id(1)
+    i_n, i_t = _chunk_coords(i_c, chunk_indices, T, BT, IS_VARLEN)
+    bos, eos, c0 = _seq_bounds(i_n, cu_seqlens, chunk_offsets, T, BT, IS_VARLEN)
+    t0 = bos + i_t * BT
+    n_valid = eos - t0
+    hp = hbuf + ((c0 + i_n + i_t) * Hkv + i_h) * K * V
+    rows = tl.arange(0, BT)
+    causal = rows[:, None] >= rows[None, :]
+    kp = k + i_h * K
+    gp = g + i_h * K
+    vp = v + i_h * V
+
+    if NK == 1:
+        b_k = _load_rows(kp, t0, n_valid, Hkv * K, 0, K, BT, BK).to(tl.float32)
+        G, G_last = _gates(gp, t0, n_valid, Hkv * K, 0, K, BT, BK)
+        e_q = tl.exp2(G)
+        fast = tl.max(-G_last, axis=0) < _SAFE
+        if fast:
+            k_e = _op(b_k * tl.exp2(-G), DOT_BF16)
+        else:
+            k_e = _op(b_k, DOT_BF16)                        # unused
+        for r in range(R):
+            hq = i_h * R + r
+            qp = q + hq * K
+            b_q = _load_rows(qp, t0, n_valid, H * K, 0, K, BT, BK).to(tl.float32)
+            q_e = _op(b_q * e_q, DOT_BF16)
+            if fast:
+                P = _mm(q_e, tl.trans(k_e), DOT_BF16, PREC)
+            else:
+                P = _scores_slow(b_q, b_k, gp, t0, n_valid, Hkv * K, 0, K, BT, BK)
+            P = tl.where(causal, P, 0.0)
+            for i_v in range(NV):
+                b_v = _load_rows(vp, t0, n_valid, Hkv * V, i_v * BV, V, BT, BV)
+                b_hs = _load_state(hp, 0, i_v * BV, K, V, BK, BV)
+                acc = _mm(P, b_v, DOT_BF16, PREC) + _mm(q_e, b_hs, DOT_BF16, PREC)
+                _store_rows(o + hq * V, acc * scale, t0, n_valid, H * V, i_v * BV, V, BT, BV)
+    else:
+        for r in range(R):
+            hq = i_h * R + r
+            qp = q + hq * K
+            P = tl.zeros([BT, BT], dtype=tl.float32)
+            for i_k in range(NK):
+                b_q = _load_rows(qp, t0, n_valid, H * K, i_k * BK, K, BT, BK).to(tl.float32)
+                b_k = _load_rows(kp, t0, n_valid, Hkv * K, i_k * BK, K, BT, BK).to(tl.float32)
+                G, G_last = _gates(gp, t0, n_valid, Hkv * K, i_k * BK, K, BT, BK)
+                if tl.max(-G_last, axis=0) < _SAFE:
+                    P += _mm(b_q * tl.exp2(G), tl.trans(b_k * tl.exp2(-G)), DOT_BF16, PREC)
+                else:
+                    P += _scores_slow(b_q, b_k, gp, t0, n_valid, Hkv * K, i_k * BK, K, BT, BK)
+            P = tl.where(causal, P, 0.0)
+            for i_v in range(NV):
+                b_v = _load_rows(vp, t0, n_valid, Hkv * V, i_v * BV, V, BT, BV)
+                acc = _mm(P, b_v, DOT_BF16, PREC)
+                for i_k in range(NK):
+                    b_q = _load_rows(qp, t0, n_valid, H * K, i_k * BK, K, BT, BK).to(tl.float32)
+                    G, _ = _gates(gp, t0, n_valid, Hkv * K, i_k * BK, K, BT, BK)
+                    b_hs = _load_state(hp, i_k * BK, i_v * BV, K, V, BK, BV)
+                    acc += _mm(b_q * tl.exp2(G), b_hs, DOT_BF16, PREC)
+                _store_rows(o + hq * V, acc * scale, t0, n_valid, H * V, i_v * BV, V, BT, BV)
+
+
+# ----------------------------------------------------------------------------------------
+# Backward
+# ----------------------------------------------------------------------------------------
+
+@triton.jit
+def _bwd_dh_kernel(q, g, do, dht, dh0, dhbuf, cu_seqlens, chunk_offsets, T, scale,
+                   H: tl.constexpr, Hkv: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+                   BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, R: tl.constexpr,
+                   USE_DHT: tl.constexpr, STORE_DH0: tl.constexpr, IS_VARLEN: tl.constexpr,
+                   DOT_BF16: tl.constexpr, PREC: tl.constexpr):
+    """Reverse walk: dhbuf[c0 + n + i] = gradient of the state at the start of chunk i,
+    dh_i = 2^{G_last} dh_{i+1} + s * sum_heads (q 2^G)^T do; entry NT = dht (or 0).
+    As in the forward pass, the loads run one step ahead: g one chunk ahead, (q, do) one
+    (chunk, head) pair ahead."""
+    i_k = tl.program_id(0)
+    i_v = tl.program_id(1)
+    i_nh = tl.program_id(2)
+    i_n = i_nh // Hkv
+    i_h = i_nh % Hkv
+    bos, eos, c0 = _seq_bounds(i_n, cu_seqlens, chunk_offsets, T, BT, IS_VARLEN)
+    NT = tl.cdiv(eos - bos, BT)
+    k0 = i_k * BK
+    v0 = i_v * BV
+
+    b_dh = tl.zeros([BK, BV], dtype=tl.float32)
+    if USE_DHT:
+        b_dh += _load_state(dht + i_nh.to(tl.int64) * K * V, k0, v0, K, V, BK, BV)
+    hp = dhbuf + ((c0 + i_n + NT) * Hkv + i_h) * K * V
+    _store_state(hp, b_dh, k0, v0, K, V, BK, BV)
+    gp = g + i_h * K
+    qp = q + i_h * R * K
+    dop = do + i_h * R * V
+    # last chunk, first head of the group (all masked when the sequence is empty)
+    t_last = bos + (NT - 1) * BT
+    n_last = tl.where(NT > 0, eos - t_last, 0)
+    n_g = _load_rows(gp, t_last, n_last, Hkv * K, k0, K, BT, BK)
+    n_q = _load_rows(qp, t_last, n_last, H * K, k0, K, BT, BK)
+    n_do = _load_rows(dop, t_last, n_last, H * V, v0, V, BT, BV)
+    for i in range(NT):
+        i_t = NT - 1 - i
+        t0 = bos + i_t * BT
+        b_g = n_g
+        # previous chunk's g (nothing left to load once i_t == 0)
+        t_prev = t0 - BT
+        n_prev = tl.where(i_t > 0, eos - t_prev, 0)
+        n_g = _load_rows(gp, t_prev, n_prev, Hkv * K, k0, K, BT, BK)
+        G, G_last = _cum_gates(b_g)
+        e_q = tl.exp2(G)
+        acc = tl.zeros([BK, BV], dtype=tl.float32)
+        for r in range(R):
+            b_q = n_q.to(tl.float32)
+            b_do = n_do
+            # next (chunk, head) pair: the next head here, else the first head one chunk back
+            if r + 1 < R:
+                t_n = t0
+                n_n = eos - t0
+                r_n = r + 1
+            else:
+                t_n = t_prev
+                n_n = n_prev
+                r_n = 0
+            n_q = _load_rows(qp + r_n * K, t_n, n_n, H * K, k0, K, BT, BK)
+            n_do = _load_rows(dop + r_n * V, t_n, n_n, H * V, v0, V, BT, BV)
+            acc += _mm(tl.trans(b_q * e_q), b_do, DOT_BF16, PREC)
+        b_dh = b_dh * tl.exp2(G_last)[:, None] + acc * scale
+        hp = dhbuf + ((c0 + i_n + i_t) * Hkv + i_h) * K * V
+        _store_state(hp, b_dh, k0, v0, K, V, BK, BV)
+    if STORE_DH0:
+        _store_state(dh0 + i_nh.to(tl.int64) * K * V, b_dh, k0, v0, K, V, BK, BV)
+
+
+@triton.jit
+def _bwd_dqkg_kernel(q, k, v, g, do, hbuf, dhbuf, dq, dk, dg, dv, cu_seqlens, chunk_offsets,
+                     chunk_indices, T, scale,
+                     H: tl.constexpr, Hkv: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+                     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, NV: tl.constexpr,
+                     R: tl.constexpr, WITH_DV: tl.constexpr, IS_VARLEN: tl.constexpr,
+                     DOT_BF16: tl.constexpr, PREC: tl.constexpr):
+    """dq (every head of the group), dk and dg for one chunk, one K tile, one KV head; also
+    dv when WITH_DV (one K tile and one V tile cover everything: the separate dv kernel,
+    with its second read of q, k, g, do, is then skipped).
+      dP = s * mask(do v^T), split into its diagonal d and its strictly lower part L
+      dq = 2^G * (s do h_n^T + L (k 2^-G)) + d * k
+      dk = 2^{G_last - G} * (v dh_{n+1}^T) + 2^-G * sum_heads L^T (q 2^G) + sum_heads d * q
+      dv = (k 2^{G_last - G}) dh_{n+1} + s * sum_heads mask(P)^T do
+    dg = revcumsum(q dq - k dk) + <h_{n+1}, dh_{n+1}>_v is evaluated without its O(1)
+    cancelling parts, so strong decays (true dg ~ e^-20) keep their relative precision:
+      * the diagonal terms q d k and k d q are equal and left out of both;
+      * <h_{n+1}, dh_{n+1}> - revcumsum(k dk_inter) = 2^{G_last} <h_n, dh_{n+1}>
+        + exclusive cumsum(k dk_inter): only the paths that cross step s remain."""
+    i_k = tl.program_id(0)
+    i_c = tl.program_id(1)
+    i_h = tl.program_id(2)
+    i_n, i_t = _chunk_coords(i_c, chunk_indices, T, BT, IS_VARLEN)
+    bos, eos, c0 = _seq_bounds(i_n, cu_seqlens, chunk_offsets, T, BT, IS_VARLEN)
+    t0 = bos + i_t * BT
+    n_valid = eos - t0
+    k0 = i_k * BK
+    st_n = ((c0 + i_n + i_t) * Hkv + i_h) * K * V          # state at this chunk's start
+    st_next = st_n + Hkv * K * V                              # ... and at the next chunk's
+    rows = tl.arange(0, BT)
+    diag = rows[:, None] == rows[None, :]
+    strict = rows[:, None] > rows[None, :]
+    kp = k + i_h * K
+    gp = g + i_h * K
+    vp = v + i_h * V
+
+    b_k = _load_rows(kp, t0, n_valid, Hkv * K, k0, K, BT, BK).to(tl.float32)
+    G, G_last = _gates(gp, t0, n_valid, Hkv * K, k0, K, BT, BK)
+    e_q = tl.exp2(G)
+    fast = tl.max(-G_last, axis=0) < _SAFE
+    if fast:
+        e_k = tl.exp2(-G)                                  # <= 2^SAFE
+    else:
+        e_k = e_q                                          # unused
+    k_e = _op(b_k * e_k, DOT_BF16)
+    if WITH_DV:
+        b_v = _load_rows(vp, t0, n_valid, Hkv * V, 0, V, BT, BV)
+        b_dv = tl.zeros([BT, BV], dtype=tl.float32)
+
+    dk_acc = tl.zeros([BT, BK], dtype=tl.float32)          # intra-chunk dk, all heads
+    dg_acc = tl.zeros([BT, BK], dtype=tl.float32)          # q dq - k dk without the diagonal
+    for r in range(R):
+        hq = i_h * R + r
+        b_q = _load_rows(q + hq * K, t0, n_valid, H * K, k0, K, BT, BK).to(tl.float32)
+        q_e = _op(b_q * e_q, DOT_BF16)
+        if WITH_DV:
+            b_do = _load_rows(do + hq * V, t0, n_valid, H * V, 0, V, BT, BV)
+            b_h = _load_state(hbuf + st_n, k0, 0, K, V, BK, BV)
+            dP = _mm(b_do, tl.trans(b_v), DOT_BF16, PREC)
+            dq_h = _mm(b_do, tl.trans(b_h), DOT_BF16, PREC)
+        else:
+            dP = tl.zeros([BT, BT], dtype=tl.float32)
+            dq_h = tl.zeros([BT, BK], dtype=tl.float32)
+            for i_v in range(NV):
+                b_do = _load_rows(do + hq * V, t0, n_valid, H * V, i_v * BV, V, BT, BV)
+                b_vt = _load_rows(vp, t0, n_valid, Hkv * V, i_v * BV, V, BT, BV)
+                b_h = _load_state(hbuf + st_n, k0, i_v * BV, K, V, BK, BV)
+                dP += _mm(b_do, tl.trans(b_vt), DOT_BF16, PREC)
+                dq_h += _mm(b_do, tl.trans(b_h), DOT_BF16, PREC)
+        dP = dP * scale
+        d = tl.sum(tl.where(diag, dP, 0.0), axis=1)        # [BT]
+        dP = tl.where(strict, dP, 0.0)
+        b_dq = dq_h * (e_q * scale)
+        if fast:
+            b_dq += _mm(dP, k_e, DOT_BF16, PREC) * e_q
+            dk_low = _mm(tl.trans(dP), q_e, DOT_BF16, PREC) * e_k
+            if WITH_DV:
+                P = _mm(q_e, tl.trans(k_e), DOT_BF16, PREC)
+        else:
+            dq_s, dk_low = _dqk_slow(dP, b_q, b_k, gp, t0, n_valid, Hkv * K, k0, K, BT, BK)
+            b_dq += dq_s
+            if WITH_DV:
+                P = _scores_slow(b_q, b_k, gp, t0, n_valid, Hkv * K, k0, K, BT, BK)
+        if WITH_DV:
+            P = tl.where(rows[:, None] >= rows[None, :], P * scale, 0.0)
+            b_dv += _mm(tl.trans(P), b_do, DOT_BF16, PREC)
+        dg_acc += b_q * b_dq - b_k * dk_low
+        dk_acc += dk_low + d[:, None] * b_q
+        _store_rows(dq + hq * K, b_dq + d[:, None] * b_k, t0, n_valid, H * K, k0, K, BT, BK)
+
+    # Inter-chunk part of dk (and dv), and <h_n, dh_{n+1}> over the whole V.
+    if fast:
+        e_end = e_k * tl.exp2(G_last)[None, :]             # 2^{G_last - G} without more exps
+    else:
+        G, _ = _gates(gp, t0, n_valid, Hkv * K, k0, K, BT, BK)   # reloaded: keeps G dead above
+        e_end = tl.exp2(G_last[None, :] - G)
+    dk_inter = tl.zeros([BT, BK], dtype=tl.float32)
+    hdh = tl.zeros([BK], dtype=tl.float32)
+    for i_v in range(NV):
+        b_vt = _load_rows(vp, t0, n_valid, Hkv * V, i_v * BV, V, BT, BV)
+        b_dh1 = _load_state(dhbuf + st_next, k0, i_v * BV, K, V, BK, BV)
+        b_h = _load_state(hbuf + st_n, k0, i_v * BV, K, V, BK, BV)
+        dk_inter += _mm(b_vt, tl.trans(b_dh1), DOT_BF16, PREC)
+        hdh += tl.sum(b_h * b_dh1, axis=1)
+        if WITH_DV:
+            b_dv += _mm(b_k * e_end, b_dh1, DOT_BF16, PREC)
+    dk_inter = dk_inter * e_end
+    _store_rows(dk + i_h * K, dk_acc + dk_inter, t0, n_valid, Hkv * K, k0, K, BT, BK)
+    b_dg = (tl.cumsum(dg_acc, axis=0, reverse=True) + _excl_cumsum(b_k * dk_inter, BT)
+            + (tl.exp2(G_last) * hdh)[None, :])
+    _store_rows(dg + i_h * K, b_dg, t0, n_valid, Hkv * K, k0, K, BT, BK)
+    if WITH_DV:
+        _store_rows(dv + i_h * V, b_dv, t0, n_valid, Hkv * V, 0, V, BT, BV)
+
+
+@triton.jit
+def _bwd_dv_kernel(q, k, g, do, dhbuf, dv, cu_seqlens, chunk_offsets, chunk_indices, T, scale,
+                   H: tl.constexpr, Hkv: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+                   BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, NK: tl.constexpr,
+                   R: tl.constexpr, IS_VARLEN: tl.constexpr, DOT_BF16: tl.constexpr,
+                   PREC: tl.constexpr):
+    """dv = (k 2^{G_last - G}) dh_{n+1} + s * sum_heads mask(P)^T do, one chunk, one V tile."""
+    i_v = tl.program_id(0)
+    i_c = tl.program_id(1)
+    i_h = tl.program_id(2)
+    i_n, i_t = _chunk_coords(i_c, chunk_indices, T, BT, IS_VARLEN)
+    bos, eos, c0 = _seq_bounds(i_n, cu_seqlens, chunk_offsets, T, BT, IS_VARLEN)
+    t0 = bos + i_t * BT
+    n_valid = eos - t0
+    v0 = i_v * BV
+    st_next = ((c0 + i_n + i_t + 1) * Hkv + i_h) * K * V
+    rows = tl.arange(0, BT)
+    causal = rows[:, None] >= rows[None, :]
+    kp = k + i_h * K
+    gp = g + i_h * K
+
+    if NK == 1:
+        b_k = _load_rows(kp, t0, n_valid, Hkv * K, 0, K, BT, BK).to(tl.float32)
+        G, G_last = _gates(gp, t0, n_valid, Hkv * K, 0, K, BT, BK)
+        e_q = tl.exp2(G)
+        fast = tl.max(-G_last, axis=0) < _SAFE
+        if fast:
+            k_e = b_k * tl.exp2(-G)
+            k_end = k_e * tl.exp2(G_last)[None, :]
+        else:
+            k_e = b_k                                       # unused
+            k_end = b_k * tl.exp2(G_last[None, :] - G)
+        k_e = _op(k_e, DOT_BF16)
+        b_dh1 = _load_state(dhbuf + st_next, 0, v0, K, V, BK, BV)
+        b_dv = _mm(k_end, b_dh1, DOT_BF16, PREC)
+        for r in range(R):
+            hq = i_h * R + r
+            b_q = _load_rows(q + hq * K, t0, n_valid, H * K, 0, K, BT, BK).to(tl.float32)
+            if fast:
+                P = _mm(b_q * e_q, tl.trans(k_e), DOT_BF16, PREC)
+            else:
+                P = _scores_slow(b_q, b_k, gp, t0, n_valid, Hkv * K, 0, K, BT, BK)
+            P = tl.where(causal, P * scale, 0.0)
+            b_do = _load_rows(do + hq * V, t0, n_valid, H * V, v0, V, BT, BV)
+            b_dv += _mm(tl.trans(P), b_do, DOT_BF16, PREC)
+    else:
+        b_dv = tl.zeros([BT, BV], dtype=tl.float32)
+        for i_k in range(NK):
+            b_k = _load_rows(kp, t0, n_valid, Hkv * K, i_k * BK, K, BT, BK).to(tl.float32)
+            G, G_last = _gates(gp, t0, n_valid, Hkv * K, i_k * BK, K, BT, BK)
+            b_dh1 = _load_state(dhbuf + st_next, i_k * BK, v0, K, V, BK, BV)
+            b_dv += _mm(b_k * tl.exp2(G_last[None, :] - G), b_dh1, DOT_BF16, PREC)
+        for r in range(R):
+            hq = i_h * R + r
+            qp = q + hq * K
+            P = tl.zeros([BT, BT], dtype=tl.float32)
+            for i_k in range(NK):
+                b_q = _load_rows(qp, t0, n_valid, H * K, i_k * BK, K, BT, BK).to(tl.float32)
+                b_k = _load_rows(kp, t0, n_valid, Hkv * K, i_k * BK, K, BT, BK).to(tl.float32)
+                G, G_last = _gates(gp, t0, n_valid, Hkv * K, i_k * BK, K, BT, BK)
+                if tl.max(-G_last, axis=0) < _SAFE:
+                    P += _mm(b_q * tl.exp2(G), tl.trans(b_k * tl.exp2(-G)), DOT_BF16, PREC)
+                else:
+                    P += _scores_slow(b_q, b_k, gp, t0, n_valid, Hkv * K, i_k * BK, K, BT, BK)
+            P = tl.where(causal, P * scale, 0.0)
+            b_do = _load_rows(do + hq * V, t0, n_valid, H * V, v0, V, BT, BV)
+            b_dv += _mm(tl.trans(P), b_do, DOT_BF16, PREC)
+    _store_rows(dv + i_h * V, b_dv, t0, n_valid, Hkv * V, v0, V, BT, BV)
+
+
+# ----------------------------------------------------------------------------------------
+# Decoding: token by token
+# ----------------------------------------------------------------------------------------
+
+@triton.jit
+def _recurrent_kernel(q, k, v, g, o, h0, ht, T, scale,
+                      H: tl.constexpr, Hkv: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+                      BK: tl.constexpr, BV: tl.constexpr, R: tl.constexpr,
+                      USE_H0: tl.constexpr, STORE_HT: tl.constexpr):
+    """S_t = diag(e^{g_t}) S_{t-1} + k_t^T v_t; o_t = s q_t S_t for each head of the group.
+    One program per (V tile, batch, KV head); the whole K is one tile."""
+    i_v = tl.program_id(0)
+    i_nh = tl.program_id(1)
+    i_n = i_nh // Hkv
+    i_h = i_nh % Hkv
+    rk = tl.arange(0, BK)
+    rv = i_v * BV + tl.arange(0, BV)
+    mk = rk < K
+    mv = rv < V
+    b_h = tl.zeros([BK, BV], dtype=tl.float32)
+    if USE_H0:
+        b_h += _load_state(h0 + i_nh.to(tl.int64) * K * V, 0, i_v * BV, K, V, BK, BV)
+    for t in range(T):
+        row = i_n.to(tl.int64) * T + t
+        b_k = tl.load(k + row * Hkv * K + i_h * K + rk, mask=mk, other=0.0).to(tl.float32)
+        b_g = tl.load(g + row * Hkv * K + i_h * K + rk, mask=mk, other=0.0).to(tl.float32)
+        b_v = tl.load(v + row * Hkv * V + i_h * V + rv, mask=mv, other=0.0).to(tl.float32)
+        b_h = b_h * tl.exp(b_g)[:, None] + b_k[:, None] * b_v[None, :]
+        for r in range(R):
+            hq = i_h * R + r
+            b_q = tl.load(q + row * H * K + hq * K + rk, mask=mk, other=0.0).to(tl.float32)
+            b_o = tl.sum(b_q[:, None] * b_h, axis=0) * scale
+            tl.store(o + row * H * V + hq * V + rv, b_o.to(o.dtype.element_ty), mask=mv)
+    if STORE_HT:
+        _store_state(ht + i_nh.to(tl.int64) * K * V, b_h, 0, i_v * BV, K, V, BK, BV)
+
+
+# ----------------------------------------------------------------------------------------
+# Host side
+# ----------------------------------------------------------------------------------------
+
+_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def _next_pow2(x: int) -> int:
+    return 1 << max(0, int(x) - 1).bit_length()
+
+
+def _new(shape, dtype, device):
+    """Output buffer; full of NaN when POISON is set so unwritten entries are caught."""
+    if POISON:
+        return torch.full(shape, float("nan"), dtype=dtype, device=device)
+    return torch.empty(shape, dtype=dtype, device=device)
+
+
+def _check(q, k, v, g, initial_state, cu_seqlens, chunked: bool):
+    for name, x in (("q", q), ("k", k), ("v", v), ("g", g)):
+        if not isinstance(x, torch.Tensor) or x.ndim != 4:
+            raise ValueError(f"{name} must be a 4-D tensor [B, T, heads, dim], got "
+                             f"{getattr(x, 'shape', type(x))}")
+    B, T, H, K = q.shape
+    if k.shape[:2] != (B, T) or v.shape[:2] != (B, T) or g.shape[:2] != (B, T):
+        raise ValueError(f"q, k, v, g must share [B, T]: got {tuple(q.shape)}, {tuple(k.shape)}, "
+                         f"{tuple(v.shape)}, {tuple(g.shape)}")
+    Hkv = k.shape[2]
+    if k.shape[3] != K or g.shape != k.shape or v.shape[2] != Hkv:
+        raise ValueError(f"k and g must be [B, T, Hkv, K] and v [B, T, Hkv, V] with q's K: got "
+                         f"q {tuple(q.shape)}, k {tuple(k.shape)}, g {tuple(g.shape)}, v {tuple(v.shape)}")
+    if Hkv == 0 or H % Hkv != 0:
+        raise ValueError(f"the number of query heads ({H}) must be a multiple of KV heads ({Hkv})")
+    V = v.shape[3]
+    if not 16 <= K <= 256:
+        raise ValueError(f"key head dim K={K} is outside the supported 16..256")
+    if not 1 <= V <= 257:
+        raise ValueError(f"value head dim V={V} is outside the supported 1..257")
+    if q.dtype not in _DTYPES or any(x.dtype != q.dtype for x in (k, v, g)):
+        raise ValueError(f"q, k, v, g must share one dtype among bf16/fp16/fp32: got "
+                         f"{q.dtype}, {k.dtype}, {v.dtype}, {g.dtype}")
+    devices = {x.device for x in (q, k, v, g)}
+    if len(devices) != 1:
+        raise ValueError(f"q, k, v, g must be on one device, got {sorted(map(str, devices))}")
+    if not (q.is_cuda or _interpreting()):
+        raise ValueError(f"Triton GLA kernels need CUDA tensors (or TRITON_INTERPRET=1), got {q.device}")
+    if T == 0 or B == 0:
+        raise ValueError("empty batch or sequence")
+    N = B
+    if cu_seqlens is not None:
+        if not chunked:
+            raise ValueError("cu_seqlens is not supported by fused_recurrent_gla")
+        if B != 1:
+            raise ValueError(f"cu_seqlens needs B == 1 (packed sequences), got B={B}")
+        if (cu_seqlens.ndim != 1 or cu_seqlens.numel() < 2
+                or cu_seqlens.dtype not in (torch.int32, torch.int64)):
+            raise ValueError("cu_seqlens must be a 1-D int32/int64 tensor of N+1 cumulative lengths")
+        N = cu_seqlens.numel() - 1
+    if initial_state is not None and tuple(initial_state.shape) != (N, Hkv, K, V):
+        raise ValueError(f"initial_state must be [{N}, {Hkv}, {K}, {V}], got {tuple(initial_state.shape)}")
+    return B, T, H, Hkv, K, V, N
+
+
+def _varlen_meta(cu_seqlens, T, BT, device):
+    """chunk_offsets [N+1] (chunks before each sequence) and chunk_indices [NTtot, 2]
+    (sequence, chunk within it), int32 on the device; one host sync to size the grid."""
+    cu = cu_seqlens.detach().to("cpu", torch.int64)
+    lens = cu[1:] - cu[:-1]
+    if int(cu[0]) != 0 or int(cu[-1]) != T or bool((lens < 0).any()):
+        raise ValueError(f"cu_seqlens must start at 0, never decrease and end at T={T}")
+    n_chunks = (lens + BT - 1) // BT
+    offsets = torch.zeros(len(lens) + 1, dtype=torch.int64)
+    offsets[1:] = torch.cumsum(n_chunks, 0)
+    total = int(offsets[-1])
+    seq = torch.repeat_interleave(torch.arange(len(lens)), n_chunks)
+    within = torch.arange(total) - torch.repeat_interleave(offsets[:-1], n_chunks)
+    indices = torch.stack([seq, within], dim=1).to(torch.int32).contiguous()
+    return (cu.to(device=device, dtype=torch.int32), offsets.to(device=device, dtype=torch.int32),
+            indices.to(device), total)
+
+
+def _num_sms(device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 132
+
+
+class _Config:
+    """Launch parameters, one set per kernel family:
+      *_seq  sequential state passes: 64-wide tiles, V tile narrowed until there are enough
+             programs to fill the GPU (they walk all chunks of a sequence);
+      *_o    output and dv kernels: the whole K (<= 128) in one tile, so the k-side work is
+             shared by the query heads of a group;
+      *_g    dq/dk/dg kernel: K tiles of 32, or 64 for bf16 with K > 64 (it keeps ~10 [C, BK]
+             fp32 tensors alive: ptxas spills with wider tiles); with one K and one V tile
+             it also computes dv (merge_dv).
+    Entries of OVERRIDES (module level) replace the computed values, for tuning runs."""
+
+    def __init__(self, B, T, H, Hkv, K, V, N, dtype, device, tiles=None, chunk=None):
+        np2 = _next_pow2
+        self.BT = 64 if T >= 64 else max(16, np2(T))
+        if chunk is not None:                       # private: force the chunk length (tests)
+            if chunk < 16 or chunk & (chunk - 1):
+                raise ValueError(f"chunk length must be a power of two >= 16, got {chunk}")
+            self.BT = chunk
+        if tiles is not None:                       # private: force tile sizes (tests)
+            bk, bv = tiles
+            self.BK_seq = self.BK_o = self.BK_g = bk
+            self.BV_seq = self.BV_o = self.BV_g = bv
+        else:
+            self.BK_o = min(np2(K), 128)
+            self.BV_o = min(max(16, np2(V)), 128 if self.BK_o <= 64 else 64)
+            # 64-wide K tiles halve the recomputed do v^T at K > 64, but only bf16 operands
+            # leave the registers for them (fp32 operands spill).
+            wide = K > 64 and dtype == torch.bfloat16
+            self.BK_g = min(np2(K), 64 if wide else 32)
+            self.BV_g = min(max(16, np2(V)), 64)
+            self.BK_seq = min(np2(K), 64)
+            self.BV_seq = min(max(16, np2(V)), 64)
+            progs = lambda bv: N * Hkv * triton.cdiv(K, self.BK_seq) * triton.cdiv(V, bv)
+            while self.BV_seq > 16 and progs(self.BV_seq) < 2 * _num_sms(device):
+                self.BV_seq //= 2
+        self.dot_bf16 = dtype == torch.bfloat16
+        # fp32 inputs get exact fp32 products; fp16 inputs tf32 (10-bit mantissa, like fp16).
+        self.prec = "ieee" if dtype == torch.float32 else "tf32"
+        # [64, 64] fp32 tiles are 32 registers a thread at 4 warps: most kernels keep 6-12 of
+        # them alive, so 8 warps unless the tiles are small (ptxas spill counts for sm_90).
+        self.warps_seq = 8 if self.BK_seq * self.BT >= 64 * 64 else 4
+        self.stages_seq = 2
+        self.warps_o = 8 if self.BT * max(self.BK_o, self.BV_o) >= 64 * 64 else 4
+        self.warps_g = 8 if self.BT * max(self.BK_g, self.BV_g) >= 64 * 64 else 4
+        self.stages_chunk = 1
+        self.state_dtype = torch.bfloat16 if dtype == torch.bfloat16 else torch.float32
+        for name, value in OVERRIDES.items():
+            setattr(self, name, value)
+        self.NK_o, self.NV_o = triton.cdiv(K, self.BK_o), triton.cdiv(V, self.BV_o)
+        self.NK_g, self.NV_g = triton.cdiv(K, self.BK_g), triton.cdiv(V, self.BV_g)
+        self.NK_seq, self.NV_seq = triton.cdiv(K, self.BK_seq), triton.cdiv(V, self.BV_seq)
+        # dv inside the dq/dk/dg kernel when one program sees all of K and V.
+        self.merge_dv = bool(OVERRIDES.get("merge_dv", True)) and self.NK_g == 1 and self.NV_g == 1
+
+
+def _forward(q, k, v, g, scale, h0, want_ht, cu_seqlens, tiles, chunk):
+    B, T, H, Hkv, K, V, N = _check(q, k, v, g, h0, cu_seqlens, chunked=True)
+    cfg = _Config(B, T, H, Hkv, K, V, N, q.dtype, q.device, tiles, chunk)
+    if cu_seqlens is not None:
+        cu, offsets, indices, total = _varlen_meta(cu_seqlens, T, cfg.BT, q.device)
+        n_entries = total + N
+    else:
+        cu = offsets = indices = None
+        total = B * triton.cdiv(T, cfg.BT)
+        n_entries = total + B
+    R = H // Hkv
+    q, k, v, g = (x.contiguous() for x in (q, k, v, g))
+    if h0 is not None:
+        h0 = h0.contiguous()
+    hbuf = _new((n_entries, Hkv, K, V), cfg.state_dtype, q.device)
+    ht = _new((N, Hkv, K, V), torch.float32, q.device) if want_ht else None
+    o = _new((B, T, H, V), q.dtype, q.device)
+    common = dict(IS_VARLEN=cu is not None, DOT_BF16=cfg.dot_bf16, PREC=cfg.prec)
+    _fwd_state_kernel[(cfg.NK_seq, cfg.NV_seq, N * Hkv)](
+        k, v, g, h0, ht, hbuf, cu, offsets, T,
+        Hkv=Hkv, K=K, V=V, BT=cfg.BT, BK=cfg.BK_seq, BV=cfg.BV_seq,
+        USE_H0=h0 is not None, STORE_HT=want_ht, **common,
+        num_warps=cfg.warps_seq, num_stages=cfg.stages_seq)
+    _fwd_output_kernel[(total, Hkv)](
+        q, k, v, g, o, hbuf, cu, offsets, indices, T, scale,
+        H=H, Hkv=Hkv, K=K, V=V, BT=cfg.BT, BK=cfg.BK_o, BV=cfg.BV_o, NK=cfg.NK_o, NV=cfg.NV_o,
+        R=R, **common, num_warps=cfg.warps_o, num_stages=cfg.stages_chunk)
+    meta = (cfg, cu, offsets, indices, total, N)
+    return o, ht, hbuf, meta
+
+
+def _backward(q, k, v, g, scale, hbuf, meta, do, dht, want_dh0):
+    cfg, cu, offsets, indices, total, N = meta
+    B, T, H, K = q.shape
+    Hkv, V = k.shape[2], v.shape[3]
+    R = H // Hkv
+    do = do.contiguous()
+    if dht is not None:
+        dht = dht.contiguous()
+    dhbuf = _new(hbuf.shape, cfg.state_dtype, q.device)
+    dh0 = _new((N, Hkv, K, V), torch.float32, q.device) if want_dh0 else None
+    dq = _new(q.shape, q.dtype, q.device)
+    dk = _new(k.shape, k.dtype, q.device)
+    dv = _new(v.shape, v.dtype, q.device)
+    dg = _new(g.shape, g.dtype, q.device)
+    common = dict(IS_VARLEN=cu is not None, DOT_BF16=cfg.dot_bf16, PREC=cfg.prec)
+    _bwd_dh_kernel[(cfg.NK_seq, cfg.NV_seq, N * Hkv)](
+        q, g, do, dht, dh0, dhbuf, cu, offsets, T, scale,
+        H=H, Hkv=Hkv, K=K, V=V, BT=cfg.BT, BK=cfg.BK_seq, BV=cfg.BV_seq, R=R,
+        USE_DHT=dht is not None, STORE_DH0=want_dh0, **common,
+        num_warps=cfg.warps_seq, num_stages=cfg.stages_seq)
+    _bwd_dqkg_kernel[(cfg.NK_g, total, Hkv)](
+        q, k, v, g, do, hbuf, dhbuf, dq, dk, dg, dv, cu, offsets, indices, T, scale,
+        H=H, Hkv=Hkv, K=K, V=V, BT=cfg.BT, BK=cfg.BK_g, BV=cfg.BV_g, NV=cfg.NV_g, R=R,
+        WITH_DV=cfg.merge_dv, **common, num_warps=cfg.warps_g, num_stages=cfg.stages_chunk)
+    if not cfg.merge_dv:
+        _bwd_dv_kernel[(cfg.NV_o, total, Hkv)](
+            q, k, g, do, dhbuf, dv, cu, offsets, indices, T, scale,
+            H=H, Hkv=Hkv, K=K, V=V, BT=cfg.BT, BK=cfg.BK_o, BV=cfg.BV_o, NK=cfg.NK_o, R=R,
+            **common, num_warps=cfg.warps_o, num_stages=cfg.stages_chunk)
+    return dq, dk, dv, dg, dh0
+
+
+class _FusedChunkGLA(torch.autograd.Function):
+
+    @staticmethod
+    def forward(ctx, q, k, v, g, scale, initial_state, output_final_state, cu_seqlens, tiles,
+                chunk):
+        q, k, v, g = (x.contiguous() for x in (q, k, v, g))
+        o, ht, hbuf, meta = _forward(q, k, v, g, scale, initial_state, output_final_state,
+                                     cu_seqlens, tiles, chunk)
+        ctx.save_for_backward(q, k, v, g, hbuf)
+        ctx.meta = meta
+        ctx.scale = scale
+        ctx.has_h0 = initial_state is not None
+        ctx.h0_dtype = None if initial_state is None else initial_state.dtype
+        # None gradients stay None (no zero tensors to read): dht is often unused.
+        ctx.set_materialize_grads(False)
+        return o, ht
+
+    @staticmethod
+    def backward(ctx, do, dht):
+        q, k, v, g, hbuf = ctx.saved_tensors
+        if do is None:
+            do = torch.zeros(q.shape[:3] + (v.shape[3],), dtype=q.dtype, device=q.device)
+        want_dh0 = ctx.has_h0 and ctx.needs_input_grad[5]
+        dq, dk, dv, dg, dh0 = _backward(q, k, v, g, ctx.scale, hbuf, ctx.meta, do, dht, want_dh0)
+        if dh0 is not None and dh0.dtype != ctx.h0_dtype:
+            dh0 = dh0.to(ctx.h0_dtype)               # autograd wants the input's dtype
+        return dq, dk, dv, dg, None, dh0, None, None, None, None
+
+
+def fused_chunk_gla(q, k, v, g, scale=None, initial_state=None, output_final_state=False,
+                    cu_seqlens=None, *, _tiles=None, _chunk=None):
+    """Chunk-parallel GLA, differentiable in q, k, v, g and initial_state.
+
+    q [B, T, H, K]; k, g [B, T, Hkv, K]; v [B, T, Hkv, V]; g = per-step log-decays (<= 0).
+    Returns (o [B, T, H, V] in q's dtype, final state [N, Hkv, K, V] float32 or None).
+    cu_seqlens (int32/int64, N+1 cumulative lengths, B must be 1) packs N documents; the
+    state restarts at each boundary and initial/final states are per document.
+    `_tiles=(BK, BV)` and `_chunk` are private (tests): they force the tile sizes of every
+    kernel and the chunk length.
+    """
+    _check(q, k, v, g, initial_state, cu_seqlens, chunked=True)
+    scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
+    return _FusedChunkGLA.apply(q, k, v, g, scale, initial_state, bool(output_final_state),
+                                cu_seqlens, _tiles, _chunk)
+
+
+def fused_recurrent_gla(q, k, v, g, scale=None, initial_state=None, output_final_state=False):
+    """Token-by-token GLA (forward only; generation, T usually 1). Same shapes as
+    fused_chunk_gla without cu_seqlens. Returns (o, final state float32 or None)."""
+    B, T, H, Hkv, K, V, N = _check(q, k, v, g, initial_state, None, chunked=False)
+    scale = K ** -0.5 if scale is None else float(scale)
+    q, k, v, g = (x.contiguous() for x in (q, k, v, g))
+    h0 = None if initial_state is None else initial_state.contiguous()
+    o = _new((B, T, H, V), q.dtype, q.device)
+    ht = _new((B, Hkv, K, V), torch.float32, q.device) if output_final_state else None
+    BK = _next_pow2(K)
+    # The state tile is [K, BV] fp32 in registers: keep it at <= 8K elements.
+    BV = min(max(16, _next_pow2(V)), max(16, 8192 // BK))
+    _recurrent_kernel[(triton.cdiv(V, BV), B * Hkv)](
+        q, k, v, g, o, h0, ht, T, scale,
+        H=H, Hkv=Hkv, K=K, V=V, BK=BK, BV=BV, R=H // Hkv,
+        USE_H0=h0 is not None, STORE_HT=bool(output_final_state),
+        num_warps=4 if BK * BV <= 4096 else 8)
+    return o, ht

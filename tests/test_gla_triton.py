@@ -1,0 +1,451 @@
+"""Triton GLA kernels against the float64 token-by-token reference.
+
+Without a GPU these run under the Triton interpreter (tests/conftest.py sets
+TRITON_INTERPRET=1 and fixes its bf16 arithmetic), so shapes stay tiny. Tests marked `gpu`
+repeat the checks at real sizes in bf16 and are skipped without CUDA.
+
+Every comparison is a relative RMS error, ||x - ref|| / ||ref||, for the output, the final
+state and every gradient (q, k, v, g, initial state) of loss = (o*do).sum() + (ht*dht).sum().
+"""
+
+import importlib
+import importlib.util
+import os
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def _import_kernels():
+    """glaswap_kernels once packaged; until then, load kernels/ under that name by hand."""
+    try:
+        return importlib.import_module("glaswap_kernels.gla_triton")
+    except ImportError:
+        pass
+    root = os.path.join(os.path.dirname(HERE), "kernels")
+    spec = importlib.util.spec_from_file_location(
+        "glaswap_kernels", os.path.join(root, "__init__.py"), submodule_search_locations=[root])
+    pkg = importlib.util.module_from_spec(spec)
+    sys.modules["glaswap_kernels"] = pkg
+    if os.path.exists(os.path.join(root, "__init__.py")):
+        spec.loader.exec_module(pkg)
+    return importlib.import_module("glaswap_kernels.gla_triton")
+
+
+gla_triton = _import_kernels()
+gla_torch = importlib.import_module("glaswap_kernels.gla_torch")
+fused_chunk_gla = gla_triton.fused_chunk_gla
+fused_recurrent_gla = gla_triton.fused_recurrent_gla
+recurrent_gla_torch = gla_torch.recurrent_gla_torch
+chunk_gla_torch = gla_torch.chunk_gla_torch
+
+CUDA = torch.cuda.is_available()
+DEVICE = "cuda" if CUDA else "cpu"
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+needs_kernels = pytest.mark.skipif(not (CUDA or INTERPRETED),
+                                   reason="needs CUDA or TRITON_INTERPRET=1")
+gpu = pytest.mark.gpu
+gpu_only = pytest.mark.skipif(not CUDA, reason="needs CUDA")
+
+pytestmark = pytest.mark.filterwarnings(
+    "ignore:Conversion of an array with ndim:DeprecationWarning")  # the interpreter's own
+
+TOL = {torch.float32: 1e-4, torch.float16: 5e-3, torch.bfloat16: 2e-2}
+
+
+@pytest.fixture(autouse=True)
+def _poison_outputs(monkeypatch):
+    """Buffers the kernels must fill start as NaN, so unwritten memory fails the test."""
+    monkeypatch.setattr(gla_triton, "POISON", True)
+
+
+def rel(x, ref):
+    x, ref = x.double(), ref.double()
+    return ((x - ref).norm() / ref.norm().clamp_min(1e-300)).item()
+
+
+def gates(shape, kind, gen):
+    """Per-step log-decays (<= 0) of several regimes."""
+    if kind == "seed":            # the benchmark's gates: logsigmoid(N(0,1)) / 16
+        return F.logsigmoid(torch.randn(shape, generator=gen)) / 16
+    if kind == "normal":
+        return F.logsigmoid(torch.randn(shape, generator=gen) + 1.0)
+    if kind == "strong":          # about -20 per step: everything forgotten at once
+        return -20.0 + 0.5 * torch.rand(shape, generator=gen)
+    if kind == "weak":            # about -1e-4: nothing forgotten within the test
+        return -1e-4 * torch.rand(shape, generator=gen)
+    if kind == "mixed":           # strong and weak channels side by side in every chunk
+        strong = torch.rand(shape[-1], generator=gen) < 0.3
+        return torch.where(strong, -20.0 * torch.rand(shape, generator=gen),
+                           F.logsigmoid(torch.randn(shape, generator=gen)) / 4)
+    raise ValueError(kind)
+
+
+def make_inputs(B, T, H, Hkv, K, V, gate="normal", h0=False, seqs=None, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    N = B if seqs is None else len(seqs)
+    q = torch.randn(B, T, H, K, generator=gen)
+    k = torch.randn(B, T, Hkv, K, generator=gen)
+    v = torch.randn(B, T, Hkv, V, generator=gen)
+    g = gates((B, T, Hkv, K), gate, gen)
+    s0 = torch.randn(N, Hkv, K, V, generator=gen) if h0 else None
+    cu = None
+    if seqs is not None:
+        assert B == 1 and sum(seqs) == T
+        cu = torch.tensor([0] + list(torch.tensor(seqs).cumsum(0)), dtype=torch.int32)
+    do = torch.randn(B, T, H, V, generator=gen)
+    dht = torch.randn(N, Hkv, K, V, generator=gen)
+    return (q, k, v, g), s0, cu, do, dht
+
+
+def run_and_compare(B, T, H, Hkv, K, V, dtype=torch.float32, gate="normal", h0=True,
+                    final=True, seqs=None, tiles=None, chunk=None, scale=None, tol=None):
+    """Forward + backward of fused_chunk_gla against recurrent_gla_torch in float64 on the
+    same (dtype-rounded) data. Returns the dict of relative errors after asserting them."""
+    (q, k, v, g), s0, cu, do, dht = make_inputs(B, T, H, Hkv, K, V, gate, h0, seqs)
+    xs = [x.to(dtype).to(DEVICE).requires_grad_() for x in (q, k, v, g)]
+    s0_t = None if s0 is None else s0.to(DEVICE).clone().requires_grad_()
+    cu_t = None if cu is None else cu.to(DEVICE)
+    o, ht = fused_chunk_gla(*xs, scale=scale, initial_state=s0_t, output_final_state=final,
+                            cu_seqlens=cu_t, _tiles=tiles, _chunk=chunk)
+    assert o.dtype == dtype and o.shape == (B, T, H, V)
+    loss = (o.double() * do.to(DEVICE).double()).sum()
+    if final:
+        assert ht.dtype == torch.float32 and ht.shape == dht.shape
+        loss = loss + (ht.double() * dht.to(DEVICE).double()).sum()
+    else:
+        assert ht is None
+    loss.backward()
+
+    refs = [x.detach().double().requires_grad_() for x in xs]
+    s0_r = None if s0 is None else s0.to(DEVICE).double().detach().requires_grad_()
+    o_r, ht_r = recurrent_gla_torch(*refs, scale=scale, initial_state=s0_r,
+                                    output_final_state=True, cu_seqlens=cu_t)
+    loss_r = (o_r * do.to(DEVICE).double()).sum()
+    if final:
+        loss_r = loss_r + (ht_r.double() * dht.to(DEVICE).double()).sum()
+    loss_r.backward()
+
+    err = {"o": rel(o, o_r)}
+    if final:
+        err["ht"] = rel(ht, ht_r)
+    for name, x, r in zip(("dq", "dk", "dv", "dg"), xs, refs):
+        assert x.grad.dtype == dtype
+        err[name] = rel(x.grad, r.grad)
+    if s0 is not None:
+        assert s0_t.grad.dtype == torch.float32
+        err["dh0"] = rel(s0_t.grad, s0_r.grad)
+    limit = TOL[dtype] if tol is None else tol
+    bad = {n: e for n, e in err.items() if not e <= limit}      # also catches NaN
+    assert not bad, f"relative errors above {limit}: {bad} (all: {err})"
+    return err
+
+
+# ---------------------------------------------------------------------------------------
+# Interpreter-sized correctness tests
+# ---------------------------------------------------------------------------------------
+
+@needs_kernels
+@pytest.mark.parametrize("T", [1, 15, 63, 64, 200])
+def test_lengths(T):
+    run_and_compare(B=2, T=T, H=2, Hkv=2, K=32, V=32)
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_dtypes(dtype):
+    run_and_compare(B=1, T=100, H=4, Hkv=2, K=32, V=48, dtype=dtype, gate="seed")
+
+
+@needs_kernels
+@pytest.mark.parametrize("K,V", [(48, 48), (80, 80), (64, 65), (16, 1)])
+def test_head_dims(K, V):
+    run_and_compare(B=1, T=70, H=2, Hkv=1, K=K, V=V)
+
+
+@needs_kernels
+@pytest.mark.parametrize("H,Hkv", [(4, 2), (6, 2), (4, 1)])
+def test_gqa(H, Hkv):
+    run_and_compare(B=2, T=40, H=H, Hkv=Hkv, K=32, V=32)
+
+
+@needs_kernels
+@pytest.mark.parametrize("h0,final", [(False, False), (True, False), (False, True)])
+def test_state_options(h0, final):
+    run_and_compare(B=1, T=90, H=2, Hkv=1, K=32, V=16, h0=h0, final=final)
+
+
+@needs_kernels
+@pytest.mark.parametrize("gate", ["strong", "weak", "mixed"])
+def test_decay_regimes(gate):
+    # strong: every chunk takes the exact (row by row) path; mixed: strong and weak channels
+    # share a chunk; weak: nearly no decay, the factorised path at its most benign.
+    run_and_compare(B=1, T=80, H=2, Hkv=1, K=32, V=32, gate=gate)
+
+
+@needs_kernels
+def test_decay_regimes_bf16():
+    err = run_and_compare(B=1, T=80, H=2, Hkv=1, K=32, V=32, gate="mixed", dtype=torch.bfloat16)
+    assert all(e == e for e in err.values())
+
+
+@needs_kernels
+def test_varlen():
+    # three packed documents of uneven lengths, one of a single token, chunks never straddle
+    err = run_and_compare(B=1, T=150, H=4, Hkv=2, K=32, V=32, seqs=[70, 1, 79])
+    assert "dh0" in err and "ht" in err
+
+
+@needs_kernels
+def test_varlen_strong_decays_and_tiles():
+    # chunks of 16 so that each document spans several chunks (and the exact path stays cheap)
+    run_and_compare(B=1, T=70, H=2, Hkv=1, K=48, V=24, seqs=[20, 49, 1], gate="mixed",
+                    tiles=(16, 16), chunk=16)
+
+
+@needs_kernels
+@pytest.mark.parametrize("gate", ["normal", "mixed"])
+def test_multi_tile(gate):
+    # K=48 and V=40 as 3 tiles of 16 each: runtime loops over K and V tiles in every kernel.
+    run_and_compare(B=1, T=50, H=4, Hkv=2, K=48, V=40, gate=gate, tiles=(16, 16), chunk=32)
+
+
+@needs_kernels
+def test_small_chunks_long_sequence():
+    # many chunks per sequence with the default tiles, GQA, strong and weak channels
+    run_and_compare(B=1, T=120, H=4, Hkv=2, K=32, V=32, gate="mixed", chunk=16)
+
+
+@needs_kernels
+def test_custom_scale():
+    run_and_compare(B=1, T=30, H=2, Hkv=1, K=16, V=16, scale=0.3)
+
+
+@needs_kernels
+def test_only_final_state_used():
+    """The output unused (do is None in backward) and no initial state."""
+    (q, k, v, g), _, _, _, dht = make_inputs(1, 40, 2, 1, 16, 16)
+    xs = [x.to(DEVICE).requires_grad_() for x in (q, k, v, g)]
+    _, ht = fused_chunk_gla(*xs, output_final_state=True)
+    (ht * dht.to(DEVICE)).sum().backward()
+    refs = [x.detach().double().requires_grad_() for x in xs]
+    _, ht_r = recurrent_gla_torch(*refs, output_final_state=True)
+    (ht_r * dht.to(DEVICE)).sum().backward()
+    for x, r in zip(xs, refs):
+        if r.grad is None:                   # q does not reach the final state
+            assert not x.grad.any()
+        else:
+            assert rel(x.grad, r.grad) < 1e-4
+
+
+@needs_kernels
+def test_initial_state_gradient_keeps_its_dtype():
+    (q, k, v, g), s0, _, do, _ = make_inputs(1, 20, 2, 1, 16, 16, h0=True)
+    s0 = s0.to(DEVICE, torch.bfloat16).requires_grad_()
+    o, _ = fused_chunk_gla(q.to(DEVICE), k.to(DEVICE), v.to(DEVICE), g.to(DEVICE),
+                           initial_state=s0)
+    (o * do.to(DEVICE)).sum().backward()
+    assert s0.grad.dtype == torch.bfloat16 and torch.isfinite(s0.grad).all()
+
+
+@needs_kernels
+def test_no_grad_forward_matches_chunked_torch():
+    (q, k, v, g), s0, _, _, _ = make_inputs(2, 50, 4, 2, 32, 32, h0=True)
+    q, k, v, g, s0 = (x.to(DEVICE) for x in (q, k, v, g, s0))
+    with torch.no_grad():
+        o, ht = fused_chunk_gla(q, k, v, g, initial_state=s0, output_final_state=True)
+        o_r, ht_r = chunk_gla_torch(q, k, v, g, initial_state=s0, output_final_state=True)
+    assert rel(o, o_r) < 1e-5 and rel(ht, ht_r) < 1e-5
+
+
+@needs_kernels
+@pytest.mark.parametrize("T,H,Hkv,K,V", [(1, 4, 2, 32, 65), (9, 6, 2, 48, 16), (5, 2, 2, 80, 80)])
+def test_fused_recurrent(T, H, Hkv, K, V):
+    (q, k, v, g), s0, _, _, _ = make_inputs(2, T, H, Hkv, K, V, h0=True)
+    q, k, v, g, s0 = (x.to(DEVICE) for x in (q, k, v, g, s0))
+    o, ht = fused_recurrent_gla(q, k, v, g, initial_state=s0, output_final_state=True)
+    o_r, ht_r = recurrent_gla_torch(q.double(), k.double(), v.double(), g.double(),
+                                    initial_state=s0.double(), output_final_state=True)
+    assert rel(o, o_r) < 1e-5 and rel(ht, ht_r) < 1e-5
+    o2, ht2 = fused_recurrent_gla(q, k, v, g)
+    assert ht2 is None and rel(o2, recurrent_gla_torch(q, k, v, g)[0]) < 1e-5
+
+
+@needs_kernels
+def test_fused_recurrent_continues_chunked_state():
+    """Prefill with the chunk kernel, then decode token by token from its final state."""
+    (q, k, v, g), _, _, _, _ = make_inputs(1, 37, 4, 2, 32, 32)
+    q, k, v, g = (x.to(DEVICE) for x in (q, k, v, g))
+    with torch.no_grad():
+        _, h = fused_chunk_gla(q[:, :33], k[:, :33], v[:, :33], g[:, :33], output_final_state=True)
+        outs = []
+        for t in range(33, 37):
+            o_t, h = fused_recurrent_gla(q[:, t:t + 1], k[:, t:t + 1], v[:, t:t + 1],
+                                         g[:, t:t + 1], initial_state=h, output_final_state=True)
+            outs.append(o_t)
+        o_r, h_r = recurrent_gla_torch(q, k, v, g, output_final_state=True)
+    assert rel(torch.cat(outs, 1), o_r[:, 33:]) < 1e-5 and rel(h, h_r) < 1e-5
+
+
+def _small(B=1, T=4, H=2, Hkv=2, K=16, V=16):
+    return tuple(x.to(DEVICE) for x in (torch.randn(B, T, H, K), torch.randn(B, T, Hkv, K),
+                                          torch.randn(B, T, Hkv, V), -torch.rand(B, T, Hkv, K)))
+
+
+@pytest.mark.parametrize("case,match", [
+    ("ndim", "4-D"),
+    ("shape", "share"),
+    ("heads", "multiple"),
+    ("varlen_batch", "B == 1"),
+    ("dtype", "dtype"),
+    ("head_dim", "K="),
+    ("h0", "initial_state"),
+])
+def test_input_errors(case, match):
+    q, k, v, g = _small()
+    kwargs = {}
+    if case == "ndim":
+        q = q[0]
+    elif case == "shape":
+        g = g[:, :3]
+    elif case == "heads":
+        q, k, v, g = _small(H=3, Hkv=2)
+    elif case == "varlen_batch":
+        q, k, v, g = _small(B=2)
+        kwargs["cu_seqlens"] = torch.tensor([0, 2, 4], dtype=torch.int32, device=DEVICE)
+    elif case == "dtype":
+        v = v.double()
+    elif case == "head_dim":
+        q, k, v, g = _small(K=8)
+    elif case == "h0":
+        kwargs["initial_state"] = torch.zeros(1, 2, 16, 15, device=DEVICE)
+    with pytest.raises(ValueError, match=match):
+        fused_chunk_gla(q, k, v, g, **kwargs)
+
+
+def test_recurrent_input_errors():
+    q, k, v, g = _small(H=3, Hkv=2)
+    with pytest.raises(ValueError, match="multiple"):
+        fused_recurrent_gla(q, k, v, g)
+
+
+@needs_kernels
+def test_bad_cu_seqlens():
+    q, k, v, g = _small(T=6)
+    with pytest.raises(ValueError, match="cu_seqlens"):
+        fused_chunk_gla(q, k, v, g, cu_seqlens=torch.tensor([0, 4, 5], dtype=torch.int32,
+                                                            device=DEVICE))
+
+
+def test_module_is_self_contained():
+    """kernels/ is copied flat into saved model folders: only relative sibling imports."""
+    src = open(gla_triton.__file__).read()
+    assert "import glaswap\n" not in src and "from glaswap " not in src and "from glaswap." not in src
+
+
+@pytest.mark.slow
+def test_kernels_compile_for_hopper():
+    """The interpreter never compiles: build every kernel launch of a few configurations for
+    sm_90 with Triton + ptxas (no GPU needed), which catches type and layout errors that only
+    the compiler sees. Runs in a subprocess because TRITON_INTERPRET must be unset there."""
+    import json
+    import subprocess
+    bench_dir = os.path.join(os.path.dirname(HERE), "benchmarks")
+    cases = [("bf16", 1, 512, 4, 2, 64, 64, [100, 300, 112]),
+             ("fp32", 1, 512, 4, 4, 80, 65, None),
+             ("fp16", 1, 256, 2, 2, 256, 257, None)]
+    code = ("import sys, json; sys.path.insert(0, %r); import bench_kernels as b; "
+            "rows = b.ptxas_report(%r); print('ROWS', json.dumps(rows))" % (bench_dir, cases))
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
+                         timeout=900)
+    assert res.returncode == 0, res.stderr[-4000:]
+    rows = json.loads(res.stdout.split("ROWS ", 1)[1])
+    names = {r["kernel"] for r in rows}
+    assert names >= {"_fwd_state_kernel", "_fwd_output_kernel", "_bwd_dh_kernel",
+                     "_bwd_dqkg_kernel", "_bwd_dv_kernel", "_recurrent_kernel"}, names
+
+
+# ---------------------------------------------------------------------------------------
+# GPU: real sizes, bf16 (skipped without CUDA)
+# ---------------------------------------------------------------------------------------
+
+def _gpu_compare(B, T, H, Hkv, K, V, seqs=None, backward=True, tol=2e-2):
+    """bf16 kernels against the float32 chunked torch form (itself tested against the
+    recurrence) on the same bf16-rounded data."""
+    torch.manual_seed(0)
+    dev = "cuda"
+    q = torch.randn(B, T, H, K, device=dev).bfloat16()
+    k = torch.randn(B, T, Hkv, K, device=dev).bfloat16()
+    v = torch.randn(B, T, Hkv, V, device=dev).bfloat16()
+    g = (F.logsigmoid(torch.randn(B, T, Hkv, K, device=dev)) / 16).bfloat16()
+    N = B if seqs is None else len(seqs)
+    cu = None if seqs is None else torch.tensor([0] + list(torch.tensor(seqs).cumsum(0)),
+                                                dtype=torch.int32, device=dev)
+    s0 = torch.randn(N, Hkv, K, V, device=dev)
+    xs = [x.clone().requires_grad_(backward) for x in (q, k, v, g)]
+    rs = [x.float().requires_grad_(backward) for x in (q, k, v, g)]
+    s0a = s0.clone().requires_grad_(backward)
+    s0b = s0.clone().requires_grad_(backward)
+    o, ht = fused_chunk_gla(*xs, initial_state=s0a, output_final_state=True, cu_seqlens=cu)
+    o_r, ht_r = chunk_gla_torch(*rs, initial_state=s0b, output_final_state=True, cu_seqlens=cu)
+    errs = {"o": rel(o, o_r), "ht": rel(ht, ht_r)}
+    if backward:
+        do = torch.randn_like(o_r)
+        dht = torch.randn_like(ht_r)
+        ((o.float() * do).sum() + (ht * dht).sum()).backward()
+        ((o_r * do).sum() + (ht_r * dht).sum()).backward()
+        for n, a, b in zip(("dq", "dk", "dv", "dg"), xs, rs):
+            errs[n] = rel(a.grad, b.grad)
+        errs["dh0"] = rel(s0a.grad, s0b.grad)
+    bad = {n: e for n, e in errs.items() if not e <= tol}
+    assert not bad, f"relative errors above {tol}: {bad} (all: {errs})"
+
+
+@gpu
+@gpu_only
+@pytest.mark.parametrize("Hkv", [4, 16])
+@pytest.mark.parametrize("D", [64, 128])
+def test_gpu_bf16(Hkv, D):
+    _gpu_compare(B=2, T=4096, H=16, Hkv=Hkv, K=D, V=D)
+
+
+@gpu
+@gpu_only
+def test_gpu_bf16_odd_dims():
+    _gpu_compare(B=2, T=1000, H=8, Hkv=2, K=80, V=65)
+    _gpu_compare(B=1, T=777, H=4, Hkv=4, K=256, V=257)
+
+
+@gpu
+@gpu_only
+def test_gpu_bf16_varlen():
+    _gpu_compare(B=1, T=16384, H=16, Hkv=4, K=64, V=64,
+                 seqs=[5000, 1, 3000, 63, 64, 8256])
+
+
+@gpu
+@gpu_only
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+def test_gpu_other_dtypes(dtype):
+    """Smaller real-GPU run in fp16/fp32 against the float64 recurrence (tf32/ieee dots)."""
+    run_and_compare(B=1, T=300, H=4, Hkv=2, K=64, V=64, dtype=dtype, gate="mixed")
+
+
+@gpu
+@gpu_only
+def test_gpu_strong_decays():
+    run_and_compare(B=1, T=300, H=4, Hkv=2, K=64, V=64, dtype=torch.bfloat16, gate="strong")
+    run_and_compare(B=1, T=300, H=4, Hkv=2, K=128, V=128, dtype=torch.float32, gate="mixed")
+
+
+@gpu
+@gpu_only
+@pytest.mark.slow
+def test_gpu_long_forward():
+    _gpu_compare(B=1, T=100000, H=16, Hkv=4, K=64, V=64, backward=False)
