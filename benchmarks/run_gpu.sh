@@ -31,9 +31,9 @@ with lzma.open("$PAY/data/smollm2.train.npz.xz") as src, open("$HOME/data/smollm
     shutil.copyfileobj(src, dst)
 PY
   cp "$PAY"/data/*.npz "$PAY"/data/*.json "$HOME/data/"
-  pip install -q --no-deps "$PAY"/wheels/gguf-*.whl
-  pip install -q --no-deps --target /tmp/fla012 "$PAY"/wheels/flash_linear_attention-0.1.2-*.whl
-  pip install -q --no-deps --target /tmp/fla060 "$PAY"/wheels/fla_core-0.6.0-*.whl
+  python3 -m pip install -q --no-deps "$PAY"/wheels/gguf-*.whl
+  python3 -m pip install -q --no-deps --target /tmp/fla012 "$PAY"/wheels/flash_linear_attention-0.1.2-*.whl
+  python3 -m pip install -q --no-deps --target /tmp/fla060 "$PAY"/wheels/fla_core-0.6.0-*.whl
   ls -la "$HOME/data" "$GLASWAP_CACHE/smollm2-135m" ;;
 kernels)
   nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu --format=csv
