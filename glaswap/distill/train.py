@@ -271,7 +271,7 @@ def _run_stage(stage, cfg, step_fn, model_for_grads, optimizer, blocks, recipe, 
 
 # ----------------------------------------------------------------------------- evaluation
 @torch.no_grad()
-def evaluate_blocks(lm, peft_model, blocks, max_tokens, batch_size, device, dtype, dist) -> dict:
+def evaluate_blocks(lm, blocks, max_tokens, batch_size, device, dtype, dist) -> dict:
     """Teacher (softmax, adapters off) and student perplexity on evaluation blocks."""
     if blocks is None or len(blocks) == 0 or max_tokens == 0:
         return {}
@@ -430,8 +430,17 @@ def distill(recipe: Recipe, out=None, resume: bool = False, force: bool = False,
     elif dist.is_main:
         metrics.path.unlink(missing_ok=True)
         metrics.log(stage=0, step=0, event="step0", **step0)
-    eval_bs = max(recipe.stage1.batch_size, recipe.stage2.batch_size)
     evals = {"step0": step0}
+
+    def evaluate_after(stage, steps):
+        """Teacher and student perplexity on the evaluation text, logged and printed."""
+        bs = max(recipe.stage1.batch_size, recipe.stage2.batch_size)
+        result = evaluate_blocks(lm, eval_blocks, recipe.data.eval_tokens, bs, device, dtype, dist)
+        evals[f"stage{stage}"] = result
+        if result:
+            metrics.log(stage=stage, step=steps, event="eval", **result)
+            log(f"after stage {stage}: teacher ppl {result['teacher_ppl']:.2f}, "
+                f"student ppl {result['student_ppl']:.2f}")
     params = dict(lm.named_parameters())
 
     # ---- stage 1: attention transfer (gates and feature maps only)
@@ -448,14 +457,10 @@ def distill(recipe: Recipe, out=None, resume: bool = False, force: bool = False,
         for layer in lm.model.layers:
             layer.self_attn.transfer = False
         if recipe.train.eval_after_stage1:
-            evals["stage1"] = evaluate_blocks(lm, None, eval_blocks, recipe.data.eval_tokens, eval_bs, device,
-                                              dtype, dist)
-            if evals["stage1"]:
-                metrics.log(stage=1, step=s1.steps, event="eval", **evals["stage1"])
-                log(f"after stage 1: teacher ppl {evals['stage1']['teacher_ppl']:.2f}, "
-                    f"student ppl {evals['stage1']['student_ppl']:.2f}")
-    elif start_stage == 2:
-        evals["stage1"] = next((r for r in metrics.read() if r.get("event") == "eval" and r["stage"] == 1), {})
+            evaluate_after(1, s1.steps)
+    elif start_stage == 2:  # stage 1 ran before the interruption: its evaluation is in the log
+        logged = next((r for r in metrics.read() if r.get("event") == "eval" and r["stage"] == 1), {})
+        evals["stage1"] = {k: v for k, v in logged.items() if k not in ("stage", "step", "event")}
 
     # ---- stage 2: LoRA distillation (LoRA, and the new parameters unless told otherwise)
     s2 = recipe.stage2
@@ -468,12 +473,7 @@ def distill(recipe: Recipe, out=None, resume: bool = False, force: bool = False,
             s2_start = start_step
         _run_stage(2, s2, lambda b: _kd_step(lm, peft_model, b, s2), lm, opt, blocks, recipe, run, s2_start,
                    sched, dist, metrics, device, dtype, stop_after)
-        evals["stage2"] = evaluate_blocks(lm, peft_model, eval_blocks, recipe.data.eval_tokens, eval_bs, device,
-                                          dtype, dist)
-        if evals["stage2"]:
-            metrics.log(stage=2, step=s2.steps, event="eval", **evals["stage2"])
-            log(f"after stage 2: teacher ppl {evals['stage2']['teacher_ppl']:.2f}, "
-                f"student ppl {evals['stage2']['student_ppl']:.2f}")
+        evaluate_after(2, s2.steps)
 
     # ---- output
     meta = json.loads((converted / "glaswap.json").read_text())
