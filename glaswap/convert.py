@@ -21,7 +21,7 @@ from glaswap.checkpoint import AUTO_MAP, FolderTensors, GGUFTensors, ShardWriter
     write_model_code
 from glaswap.errors import GlaswapError
 from glaswap.layers.gla_attention import GLAAttention
-from glaswap.models.configuration_glaswap import GLA_OPTIONS, GLASwapConfig, check_gla_options
+from glaswap.models.configuration_glaswap import GLASwapConfig, check_gla_options
 from glaswap.models.modeling_glaswap import GLASwapForCausalLM
 from glaswap.sources import Source, resolve_source
 

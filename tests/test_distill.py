@@ -2,12 +2,10 @@
 
 from __future__ import annotations
 
-from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
-import yaml
 from click.testing import CliRunner
 from helpers import REPO, run_without_glaswap, tiny_recipe
 from safetensors.torch import load_file

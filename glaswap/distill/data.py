@@ -12,7 +12,6 @@ import fnmatch
 import functools
 import glob as globlib
 import hashlib
-import io
 import json
 import os
 import tarfile

@@ -15,7 +15,6 @@ state, keyed by parameter name, so a run saved with N processes resumes with M.
 
 from __future__ import annotations
 
-import contextlib
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -107,9 +106,6 @@ class Dist:
         for layer in model.model.layers:
             fully_shard(layer, mesh=mesh, mp_policy=mp)
         return model.to(device)  # what is not sharded (embeddings, norm, head) goes whole
-
-    def no_sync(self, model, last: bool):
-        return contextlib.nullcontext()
 
     def sync_grads(self, params):
         """Average gradients of replicated trainable parameters across processes (ddp)."""

@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 from tqdm.auto import tqdm
 
 from glaswap.checkpoint import output_folder, write_model_code
@@ -237,7 +237,7 @@ def _run_stage(stage, cfg, step_fn, model_for_grads, optimizer, blocks, recipe, 
                 idx = D.batch_indices(len(blocks), recipe.train.seed + stage, step, micro, cfg.grad_accum,
                                       cfg.batch_size, dist.rank, dist.world)
                 batch = _to_device(blocks.batch(idx), device)
-                with dist.no_sync(model_for_grads, last=micro == cfg.grad_accum - 1), _autocast(device, dtype):
+                with _autocast(device, dtype):
                     loss = step_fn(batch) / cfg.grad_accum
                 loss.backward()
                 total += loss.detach()
@@ -365,7 +365,6 @@ def distill(recipe: Recipe, out=None, resume: bool = False, force: bool = False,
     resume test uses it.
     """
     from glaswap.convert import convert
-    from glaswap.models.modeling_glaswap import GLASwapForCausalLM
 
     dist = setup_distributed(recipe.train.distributed)
     out, run = _paths(recipe, out)

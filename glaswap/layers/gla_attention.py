@@ -139,7 +139,7 @@ class GLAAttention(nn.Module):
         return names
 
     # ----------------------------------------------------------------------------------
-    def _project(self, x, position_embeddings):
+    def _project(self, x):
         B, T, _ = x.shape
         q = self.q_proj(x).view(B, T, self.num_heads, self.head_dim)
         k = self.k_proj(x).view(B, T, self.num_kv_heads, self.head_dim)
@@ -163,7 +163,7 @@ class GLAAttention(nn.Module):
 
     def forward(self, hidden_states, position_embeddings=None, attention_mask=None,
                 past_key_values=None, cu_seqlens=None, **kwargs):
-        q, k, v = self._project(hidden_states, position_embeddings)
+        q, k, v = self._project(hidden_states)
         if self.mode == "softmax":
             with torch.set_grad_enabled(torch.is_grad_enabled() and not self.transfer):
                 out = self._softmax_attention(q, k, v, position_embeddings, attention_mask, cu_seqlens)
