@@ -10,12 +10,13 @@ Before timing, every shape is checked in bf16 against the float32 chunked PyTorc
     python benchmarks/bench_kernels.py --quick         # 4 shapes, fewer repetitions
     python benchmarks/bench_kernels.py --only glaswap --json out.json
     python benchmarks/bench_kernels.py --set warps_g=4 --set BK_g=64   # tuning overrides
-    python benchmarks/bench_kernels.py --compare-fla /path/to/unpacked/fla   # extra columns
+    python benchmarks/bench_kernels.py --compare-fla DIR012:fused_chunk_gla --compare-fla DIR060
     python benchmarks/bench_kernels.py --ptxas-report  # no GPU: registers/spills per kernel
 
---compare-fla DIR: DIR holds an unpacked `flash-linear-attention==0.1.2` (fused_chunk_gla)
-or `fla-core==0.6.0` (chunk_gla) (e.g. `pip install --no-deps --target DIR fla-core==0.6.0`).
-fla is imported in a subprocess with DIR first on sys.path, so it never mixes with glaswap.
+--compare-fla DIR[:FUNCTION] (repeatable): DIR holds an unpacked `flash-linear-attention==0.1.2`
+(use FUNCTION fused_chunk_gla: the seed's algorithm) or `fla-core==0.6.0` (chunk_gla, the
+default), e.g. `pip install --no-deps --target DIR fla-core==0.6.0` plus einops. Each is
+imported in its own subprocess with DIR first on sys.path, so it never mixes with glaswap.
 """
 
 from __future__ import annotations
@@ -32,6 +33,11 @@ import torch.nn.functional as F
 HERE = os.path.dirname(os.path.abspath(__file__))
 HBM_BYTES_PER_S = 4.3e12          # H200 copy bandwidth measured (KERNEL-NOTES.md)
 DRY_RUN = False                   # --dry-run: CPU, Triton interpreter, tiny shapes
+# The seed kernel's fwd+bwd ms on one H200 (../shared/seed/README.md, bf16): the issue's
+# target is a third of these. Quoted figures, not measured by this script.
+SEED_FB_MS = {"8x2048 H32 D64": 3.39, "4x4096 H32 D64": 3.93, "2x8192 H32 D64": 5.01,
+              "1x16384 H32 D64": 7.24, "8x2048 H16 D128": 3.53, "4x4096 H16 D128": 4.03,
+              "2x8192 H16 D128": 5.14, "1x16384 H16 D128": 7.43}
 
 
 def _import_kernels():
@@ -220,31 +226,46 @@ def time_sdpa(s, device, quick):
 # fla, in a subprocess
 # ----------------------------------------------------------------------------------------
 
-def fla_worker(fla_dir, quick):
-    """Runs in the subprocess: times fla's GLA at every shape, prints one JSON line."""
+def _import_fla(fla_dir):
+    """fla's ops without fla/__init__.py: that file imports fla's layers and models, which
+    need transformers/datasets versions the benchmark machine may not have."""
+    import re
+    import types
     sys.path.insert(0, fla_dir)
-    import inspect
+    root = os.path.join(fla_dir, "fla")
+    with open(os.path.join(root, "__init__.py")) as f:
+        m = re.search(r"__version__\s*=\s*['\"]([^'\"]+)", f.read())
+    pkg = types.ModuleType("fla")
+    pkg.__path__ = [root]
+    pkg.__version__ = m.group(1) if m else "?"
+    sys.modules["fla"] = pkg
     import fla.ops.gla as fla_gla
-    fn = getattr(fla_gla, "chunk_gla", None)
-    label = "chunk_gla"
-    if fn is None or os.environ.get("GLASWAP_FLA_FN") == "fused_chunk_gla":
-        fn, label = fla_gla.fused_chunk_gla, "fused_chunk_gla"
+    return fla_gla, pkg.__version__
+
+
+def fla_worker(spec, quick):
+    """Runs in the subprocess: times fla's GLA at every shape, prints one JSON line.
+    spec = DIR or DIR:FUNCTION (default chunk_gla, else fused_chunk_gla)."""
+    import inspect
+    fla_dir, _, label = spec.partition(":")
+    fla_gla, version = _import_fla(fla_dir)
+    label = label or ("chunk_gla" if hasattr(fla_gla, "chunk_gla") else "fused_chunk_gla")
+    fn = getattr(fla_gla, label)
     params = inspect.signature(fn).parameters
-    # fla's layout: [B, T, H, D] with head_first=False where the argument exists; the old
-    # 0.1.x releases had no head_first and no cu_seqlens and took [B, H, T, D].
-    time_major = "head_first" in params or "cu_seqlens" in params
-    extra = {"head_first": False} if "head_first" in params else {}
-    version = getattr(sys.modules.get("fla"), "__version__", "?")
+    # Releases with a head_first argument are called in their native [B, H, T, D] layout
+    # (head_first=False padded the wrong axis in 0.1.x); newer ones take [B, T, H, D].
+    head_first = "head_first" in params
+    extra = {"head_first": True} if head_first else {}
     device = "cpu" if DRY_RUN else "cuda"
     results = {}
     for s in shapes(quick):
         key = s["name"]
-        if s["Hkv"] != s["H"] or (s["seqs"] is not None and "cu_seqlens" not in params):
+        if s["Hkv"] != s["H"] or (s["seqs"] is not None and (head_first or "cu_seqlens" not in params)):
             results[key] = None
             continue
         try:
             sets, cu = make_inputs(s, 3, device)
-            if not time_major:
+            if head_first:
                 sets = [tuple(x.transpose(1, 2).contiguous() for x in st) for st in sets]
             grad_sets = [tuple(x.clone().requires_grad_() for x in st[:4]) + (st[4],)
                          for st in sets]
@@ -272,6 +293,7 @@ def fla_worker(fla_dir, quick):
 
 def run_fla(fla_dir, quick):
     cmd = [sys.executable, os.path.abspath(__file__), "--_fla-worker", fla_dir]
+    fla_dir = fla_dir.partition(":")[0]
     if quick:
         cmd.append("--quick")
     if DRY_RUN:
@@ -348,7 +370,7 @@ def ptxas_report(cases=PTXAS_CASES, arch=90, out=sys.stdout):
                 cu = torch.tensor([0] + [sum(docs[:i + 1]) for i in range(len(docs))],
                                   dtype=torch.int32)
             h0 = torch.zeros(N, Hkv, K, V)
-            o, ht, hbuf, meta = gla_triton._forward(q, k, v, k, K ** -0.5, h0, True, cu, None, None)
+            o, ht, hbuf, meta = gla_triton._forward(q, k, v, k, K ** -0.5, h0, True, cu, None, None, None)
             gla_triton._backward(q, k, v, k, K ** -0.5, hbuf, meta, o, ht, True)
             if docs is None:
                 gla_triton.fused_recurrent_gla(q[:, :1], k[:, :1], v[:, :1], k[:, :1],
@@ -438,7 +460,8 @@ def main(argv=None):
     ap.add_argument("--only", choices=["glaswap", "sdpa"])
     ap.add_argument("--quick", action="store_true", help="4 shapes, fewer repetitions")
     ap.add_argument("--json", metavar="PATH", help="also write the results as JSON")
-    ap.add_argument("--compare-fla", metavar="DIR", help="folder with an unpacked fla release")
+    ap.add_argument("--compare-fla", metavar="DIR[:FN]", action="append",
+                    help="folder with an unpacked fla release (repeatable)")
     ap.add_argument("--set", action="append", metavar="KEY=VALUE",
                     help="override a launch parameter of gla_triton._Config (tuning)")
     ap.add_argument("--no-check", action="store_true", help="skip the correctness checks")
@@ -482,10 +505,8 @@ def main(argv=None):
     print(f"# {device_name} | torch {torch.__version__} | triton "
           f"{triton.__version__} | overrides {gla_triton.OVERRIDES or '-'}")
 
-    fla = None
-    if args.compare_fla:
-        fla = run_fla(args.compare_fla, args.quick)
-    else:
+    flas = [r for r in (run_fla(spec, args.quick) for spec in args.compare_fla or []) if r]
+    if not args.compare_fla:
         print("# fla comparison skipped (no --compare-fla DIR given)")
 
     rows = []
@@ -502,17 +523,18 @@ def main(argv=None):
             row["glaswap_fwd"], row["glaswap_fb"] = time_glaswap(s, gla_triton, device, args.quick)
         if args.only != "glaswap":
             row["sdpa_fwd"], row["sdpa_fb"] = time_sdpa(s, device, args.quick)
-        if fla is not None:
+        for i, fla in enumerate(flas):
             r = fla["results"].get(s["name"])
-            row["fla_fwd"], row["fla_fb"] = r if r else (None, None)
+            row[f"fla{i}_fwd"], row[f"fla{i}_fb"] = r if r else (None, None)
         rows.append(row)
         torch.cuda.empty_cache()
 
     # One table.
     head = (f"{'shape':28s} {'check':5s} | {'gla fwd':>7s} {'gla f+b':>7s} | {'sdpa fwd':>8s} "
-            f"{'sdpa f+b':>8s} | {'x sdpa f':>8s} {'x sdpa fb':>9s} | {'floor f':>7s} {'floor fb':>8s}")
-    if fla is not None:
-        head += f" | {'fla fwd':>7s} {'fla f+b':>7s}"
+            f"{'sdpa f+b':>8s} | {'x sdpa f':>8s} {'x sdpa fb':>9s} | {'floor f':>7s} {'floor fb':>8s}"
+            f" | {'x seed':>6s}")
+    for i, _ in enumerate(flas):
+        head += f" | {f'fla{i} fwd':>8s} {f'fla{i} f+b':>8s} {'x fla':>6s}"
     print(head)
     print("-" * len(head))
     for r in rows:
@@ -524,19 +546,23 @@ def main(argv=None):
         frac_b = r["floor_fb_ms"] / gb if gb else None
         line = (f"{r['shape']:28s} {r.get('check', '-'):5s} | {_fmt(gf)} {_fmt(gb)} | "
                 f"{_fmt(sf, '8.3f')} {_fmt(sb, '8.3f')} | {_fmt(ratio_f, '8.2f')} "
-                f"{_fmt(ratio_b, '9.2f')} | {_fmt(frac_f, '7.0%')} {_fmt(frac_b, '8.0%')}")
-        if fla is not None:
-            line += f" | {_fmt(r.get('fla_fwd'))} {_fmt(r.get('fla_fb'))}"
+                f"{_fmt(ratio_b, '9.2f')} | {_fmt(frac_f, '7.0%')} {_fmt(frac_b, '8.0%')}"
+                f" | {_fmt(SEED_FB_MS[r['shape']] / gb if gb and r['shape'] in SEED_FB_MS else None, '6.2f')}")
+        for i, _ in enumerate(flas):
+            ff, fb = r.get(f"fla{i}_fwd"), r.get(f"fla{i}_fb")
+            line += (f" | {_fmt(ff, '8.3f')} {_fmt(fb, '8.3f')} "
+                     f"{_fmt(fb / gb if fb and gb else None, '6.2f')}")
         print(line)
     print("# times: median ms (triton.testing.do_bench, 3 rotating input sets); x sdpa = SDPA "
-          "time / glaswap time; floor = memory-traffic floor at 4.3 TB/s / glaswap time")
-    if fla is not None:
-        print(f"# fla columns: {fla['label']}")
+          "time / glaswap time; floor = memory-traffic floor at 4.3 TB/s / glaswap time; "
+          "x seed = the seed README's f+b ms (H200) / glaswap f+b (target >= 3)")
+    for i, fla in enumerate(flas):
+        print(f"# fla{i} columns: {fla['label']}; x fla = fla f+b / glaswap f+b")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"device": device_name, "torch": torch.__version__,
                        "triton": triton.__version__, "overrides": gla_triton.OVERRIDES,
-                       "fla": fla and fla["label"], "rows": rows}, f, indent=1)
+                       "fla": [f["label"] for f in flas], "rows": rows}, f, indent=1)
     return 0 if all(r.get("check", "pass") == "pass" for r in rows) else 1
 
 

@@ -35,6 +35,36 @@ PY
   python3 -m pip install -q --no-deps --target /tmp/fla012 "$PAY"/wheels/flash_linear_attention-0.1.2-*.whl
   python3 -m pip install -q --no-deps --target /tmp/fla060 "$PAY"/wheels/fla_core-0.6.0-*.whl
   ls -la "$HOME/data" "$GLASWAP_CACHE/smollm2-135m" ;;
+fla)        # carry .carry_w: fla releases for bench_kernels.py --compare-fla (no network there)
+  for w in flash_linear_attention-0.1.2:/tmp/fla012 fla_core-0.6.0:/tmp/fla060; do
+    python3 -m pip install -q --no-deps --target "${w#*:}" .carry_w/"${w%%:*}"-*.whl .carry_w/einops-*.whl
+  done ;;
+profile)    # per-kernel GPU time (torch profiler), Nsight Compute sections, tuning variants
+  nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu --format=csv
+  python3 benchmarks/profile_kernels.py --shape 8x2048:32:64 --shape 4x4096:32:64 \
+      --shape 1x16384:32:64 --shape 8x2048:16:128 --shape 1x16384:16:128 --shape 8x2048:32/8:64 \
+      --json "$OUT/profile.json" 2>&1 | tee "$OUT/profile.log" | grep -E "^##|ms .*%|ratio"
+  for shape in 8x2048:32:64 8x2048:16:128; do
+    timeout 150 ncu --clock-control none -k regex:"^_(fwd|bwd)_" --launch-count 5 \
+        --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats \
+        --section MemoryWorkloadAnalysis \
+        python3 benchmarks/profile_kernels.py --ncu --shape "$shape" > "$OUT/ncu_${shape//[:\/]/_}.txt" 2>&1 || true
+    grep -E "^  _|Duration|Registers Per|Achieved Occupancy|Memory Throughput|Compute \(SM\) Thr|Local Memory Spill|Stall" \
+        "$OUT/ncu_${shape//[:\/]/_}.txt" | head -60
+  done
+  for v in "${@:2}"; do
+    echo "### variant: $v"
+    python3 benchmarks/bench_kernels.py --quick --only glaswap --no-check $v 2>&1 | tail -6 | head -5
+  done ;;
+kernels2)   # GPU tests, full table, per-kernel profile at the long shapes, variants
+  python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_gla_triton.py 2>&1 | tee "$OUT/gpu_tests.log" | tail -3
+  python3 benchmarks/bench_kernels.py --json "$OUT/kernels.json" 2>&1 | tee "$OUT/kernels.log" | tail -17
+  python3 benchmarks/profile_kernels.py --no-sdpa --shape 8x2048:32:64 --shape 1x16384:32:64 \
+      --shape 8x2048:16:128 --shape 1x16384:16:128 2>&1 | tee "$OUT/profile.log" | grep -E "^##|ms .*%"
+  for v in "${@:2}"; do
+    echo "### variant: $v"
+    python3 benchmarks/bench_kernels.py --quick --only glaswap --no-check $v 2>&1 | tail -6 | head -5
+  done ;;
 kernels)
   nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu --format=csv
   python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_gla_triton.py 2>&1 | tee "$OUT/gpu_tests.log" | tail -5

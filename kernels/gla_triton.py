@@ -226,37 +226,79 @@ def _dqk_slow(dP, b_q, b_k, gp, t0, n_valid, stride_t, c0, K: tl.constexpr,
 # ----------------------------------------------------------------------------------------
 
 @triton.jit
-def _fwd_state_kernel(k, v, g, h0, ht, hbuf, cu_seqlens, chunk_offsets, T,
+def _segment_of(i_sg, seg_indices, n_seg, SEGMENTED: tl.constexpr, IS_VARLEN: tl.constexpr):
+    """(sequence, segment within it) of program i_sg of a sequential pass. Unsegmented passes
+    run one program per sequence (its only segment)."""
+    if SEGMENTED:
+        if IS_VARLEN:
+            i_n = tl.load(seg_indices + 2 * i_sg)
+            i_s = tl.load(seg_indices + 2 * i_sg + 1)
+        else:
+            i_n = i_sg // n_seg
+            i_s = i_sg % n_seg
+    else:
+        i_n = i_sg
+        i_s = i_sg * 0
+    return i_n, i_s
+
+
+@triton.jit
+def _store_dec(dec, slot, i_h, x, k0, Hkv: tl.constexpr, K: tl.constexpr, BK: tl.constexpr):
+    rk = k0 + tl.arange(0, BK)
+    tl.store(dec + (slot * Hkv + i_h) * K + rk, x, mask=rk < K)
+
+
+@triton.jit
+def _fwd_state_kernel(k, v, g, h0, ht, hbuf, dec, segend, cu_seqlens, chunk_offsets, seg_indices,
+                      T, seg_len, n_seg,
                       Hkv: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
                       BK: tl.constexpr, BV: tl.constexpr, USE_H0: tl.constexpr,
-                      STORE_HT: tl.constexpr, IS_VARLEN: tl.constexpr, DOT_BF16: tl.constexpr,
-                      PREC: tl.constexpr):
-    """Sequential over the chunks of one sequence, for one (K tile, V tile, KV head).
-    hbuf[c0 + n + i] = state at the start of chunk i; entry NT is the final state.
+                      STORE_HT: tl.constexpr, IS_VARLEN: tl.constexpr, SEGMENTED: tl.constexpr,
+                      DOT_BF16: tl.constexpr, PREC: tl.constexpr):
+    """Sequential over the chunks of one sequence (or of one segment of seg_len chunks), for
+    one (K tile, V tile, KV head). hbuf[c0 + n + i] = state at the start of chunk i; entry NT
+    is the final state.
+    SEGMENTED: segment s > 0 starts from a zero state, so the states it writes are local; it
+    leaves its first slot to _seg_combine_kernel, records in dec[slot] the log2 decay from
+    its first chunk to each later slot, and puts its local end state in segend, from which
+    the combine kernel chains the true segment starts and _seg_fixup_kernel adds
+    2^dec * (true start) to the slots inside. Short walks fill the GPU when a few long
+    sequences would leave most SMs idle.
     Only the last line of the loop depends on the carried state, so the next chunk's k, g, v
     are loaded one iteration ahead (by hand: the loop holds stores, which keeps Triton's
     pipeliner away) and their latency hides behind this chunk's work."""
     i_k = tl.program_id(0)
     i_v = tl.program_id(1)
-    i_nh = tl.program_id(2)
-    i_n = i_nh // Hkv
-    i_h = i_nh % Hkv
+    i_sh = tl.program_id(2)
+    i_sg = i_sh // Hkv
+    i_h = i_sh % Hkv
+    i_n, i_s = _segment_of(i_sg, seg_indices, n_seg, SEGMENTED, IS_VARLEN)
+    i_nh = i_n * Hkv + i_h
     bos, eos, c0 = _seq_bounds(i_n, cu_seqlens, chunk_offsets, T, BT, IS_VARLEN)
     NT = tl.cdiv(eos - bos, BT)
+    if SEGMENTED:
+        t_first = i_s * seg_len
+        t_end = tl.minimum(NT, t_first + seg_len)
+    else:
+        t_first = NT * 0
+        t_end = NT
     k0 = i_k * BK
     v0 = i_v * BV
 
     b_h = tl.zeros([BK, BV], dtype=tl.float32)
     if USE_H0:
-        b_h += _load_state(h0 + i_nh.to(tl.int64) * K * V, k0, v0, K, V, BK, BV)
+        if i_s == 0:
+            b_h += _load_state(h0 + i_nh.to(tl.int64) * K * V, k0, v0, K, V, BK, BV)
+    b_d = tl.zeros([BK], dtype=tl.float32)                 # log2 decay since t_first
     kp = k + i_h * K
     gp = g + i_h * K
     vp = v + i_h * V
-    # chunk 0 (all masked when the sequence is empty)
-    n_k = _load_rows(kp, bos, eos - bos, Hkv * K, k0, K, BT, BK)
-    n_g = _load_rows(gp, bos, eos - bos, Hkv * K, k0, K, BT, BK)
-    n_v = _load_rows(vp, bos, eos - bos, Hkv * V, v0, V, BT, BV)
-    for i_t in range(NT):
+    # first chunk (all masked when the sequence is empty)
+    t1 = bos + t_first * BT
+    n_k = _load_rows(kp, t1, eos - t1, Hkv * K, k0, K, BT, BK)
+    n_g = _load_rows(gp, t1, eos - t1, Hkv * K, k0, K, BT, BK)
+    n_v = _load_rows(vp, t1, eos - t1, Hkv * V, v0, V, BT, BV)
+    for i_t in range(t_first, t_end):
         b_k = n_k.to(tl.float32)
         b_g = n_g
         b_v = n_v
@@ -265,16 +307,117 @@ def _fwd_state_kernel(k, v, g, h0, ht, hbuf, cu_seqlens, chunk_offsets, T,
         n_g = _load_rows(gp, t1, eos - t1, Hkv * K, k0, K, BT, BK)
         n_v = _load_rows(vp, t1, eos - t1, Hkv * V, v0, V, BT, BV)
 
-        hp = hbuf + ((c0 + i_n + i_t) * Hkv + i_h) * K * V
-        _store_state(hp, b_h, k0, v0, K, V, BK, BV)
+        slot = c0 + i_n + i_t
+        if (i_t > t_first) | (i_s == 0):
+            _store_state(hbuf + (slot * Hkv + i_h) * K * V, b_h, k0, v0, K, V, BK, BV)
         G, G_last = _cum_gates(b_g)
+        if SEGMENTED:
+            if (i_v == 0) & (i_t > t_first):
+                _store_dec(dec, slot, i_h, b_d, k0, Hkv, K, BK)
+            b_d += G_last
         # k decayed to the chunk end: exponent G_last - G <= 0.
         k_end = b_k * tl.exp2(G_last[None, :] - G)
         b_h = b_h * tl.exp2(G_last)[:, None] + _mm(tl.trans(k_end), b_v, DOT_BF16, PREC)
-    hp = hbuf + ((c0 + i_n + NT) * Hkv + i_h) * K * V
-    _store_state(hp, b_h, k0, v0, K, V, BK, BV)
-    if STORE_HT:
-        _store_state(ht + i_nh.to(tl.int64) * K * V, b_h, k0, v0, K, V, BK, BV)
+    if SEGMENTED:
+        _store_state(segend + (i_sg * Hkv + i_h).to(tl.int64) * K * V, b_h, k0, v0, K, V, BK, BV)
+        if i_v == 0:
+            _store_dec(dec, c0 + i_n + t_end, i_h, b_d, k0, Hkv, K, BK)
+    else:
+        hp = hbuf + ((c0 + i_n + NT) * Hkv + i_h) * K * V
+        _store_state(hp, b_h, k0, v0, K, V, BK, BV)
+        if STORE_HT:
+            _store_state(ht + i_nh.to(tl.int64) * K * V, b_h, k0, v0, K, V, BK, BV)
+
+
+@triton.jit
+def _seg_combine_kernel(buf, dec, segend, hfinal, cu_seqlens, chunk_offsets, seg_offsets, T,
+                        seg_len, n_seg,
+                        Hkv: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
+                        BK: tl.constexpr, BV: tl.constexpr, REVERSE: tl.constexpr,
+                        STORE_FINAL: tl.constexpr, IS_VARLEN: tl.constexpr):
+    """Chains the segments of one sequence (one K tile, V tile, KV head): a walk over the
+    few segments, not the chunks. Forward: the true state at the end of segment s is
+    segend_s + 2^{dec[end_s]} * (true state at its start), written to buf at end_s (the
+    first segment started from h0, so its end is already true); the last one is ht.
+    REVERSE (dh pass): the same from the last segment down, written at each segment's first
+    slot; the first segment's start is dh0."""
+    i_k = tl.program_id(0)
+    i_v = tl.program_id(1)
+    i_nh = tl.program_id(2)
+    i_n = i_nh // Hkv
+    i_h = i_nh % Hkv
+    bos, eos, c0 = _seq_bounds(i_n, cu_seqlens, chunk_offsets, T, BT, IS_VARLEN)
+    NT = tl.cdiv(eos - bos, BT)
+    if IS_VARLEN:
+        s0 = tl.load(seg_offsets + i_n)
+        S = tl.load(seg_offsets + i_n + 1) - s0
+    else:
+        s0 = i_n * n_seg
+        S = n_seg
+    k0 = i_k * BK
+    v0 = i_v * BV
+    rk = k0 + tl.arange(0, BK)
+    mk = rk < K
+    base = c0 + i_n
+    if REVERSE:
+        b_h = _load_state(segend + ((s0 + S - 1) * Hkv + i_h).to(tl.int64) * K * V,
+                          k0, v0, K, V, BK, BV)
+        slot = base + (S - 1) * seg_len
+        _store_state(buf + (slot * Hkv + i_h) * K * V, b_h, k0, v0, K, V, BK, BV)
+        for i in range(1, S):
+            slot = base + (S - 1 - i) * seg_len
+            a = tl.exp2(tl.load(dec + (slot * Hkv + i_h) * K + rk, mask=mk, other=0.0))
+            b_h = a[:, None] * b_h + _load_state(
+                segend + ((s0 + S - 1 - i) * Hkv + i_h).to(tl.int64) * K * V, k0, v0, K, V, BK, BV)
+            _store_state(buf + (slot * Hkv + i_h) * K * V, b_h, k0, v0, K, V, BK, BV)
+    else:
+        b_h = _load_state(segend + (s0 * Hkv + i_h).to(tl.int64) * K * V, k0, v0, K, V, BK, BV)
+        slot = base + tl.minimum(NT, seg_len)
+        _store_state(buf + (slot * Hkv + i_h) * K * V, b_h, k0, v0, K, V, BK, BV)
+        for s in range(1, S):
+            slot = base + tl.minimum(NT, (s + 1) * seg_len)
+            a = tl.exp2(tl.load(dec + (slot * Hkv + i_h) * K + rk, mask=mk, other=0.0))
+            b_h = a[:, None] * b_h + _load_state(
+                segend + ((s0 + s) * Hkv + i_h).to(tl.int64) * K * V, k0, v0, K, V, BK, BV)
+            _store_state(buf + (slot * Hkv + i_h) * K * V, b_h, k0, v0, K, V, BK, BV)
+    if STORE_FINAL:
+        _store_state(hfinal + i_nh.to(tl.int64) * K * V, b_h, k0, v0, K, V, BK, BV)
+
+
+@triton.jit
+def _seg_fixup_kernel(buf, dec, cu_seqlens, chunk_offsets, chunk_indices, T, seg_len,
+                      Hkv: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
+                      BK: tl.constexpr, BV: tl.constexpr, NK: tl.constexpr, NV: tl.constexpr,
+                      REVERSE: tl.constexpr, IS_VARLEN: tl.constexpr):
+    """Turns the local state of one chunk slot into the true one, all chunks in parallel:
+    state += 2^dec[slot] * (true state at the segment's anchor), the anchor being the
+    segment's first slot (forward) or its end (REVERSE). Slots of the segment that started
+    from the true state (the first forward, the last in reverse) and the anchors themselves
+    are left alone."""
+    i_c = tl.program_id(0)
+    i_h = tl.program_id(1)
+    i_n, i_t = _chunk_coords(i_c, chunk_indices, T, BT, IS_VARLEN)
+    bos, eos, c0 = _seq_bounds(i_n, cu_seqlens, chunk_offsets, T, BT, IS_VARLEN)
+    NT = tl.cdiv(eos - bos, BT)
+    s = i_t // seg_len
+    inside = (i_t % seg_len) != 0
+    if REVERSE:
+        anchor = (s + 1) * seg_len
+        active = inside & (anchor < NT)
+    else:
+        anchor = s * seg_len
+        active = inside & (s > 0)
+    if active:
+        slot = c0 + i_n + i_t
+        aslot = c0 + i_n + anchor
+        for i_k in range(NK):
+            rk = i_k * BK + tl.arange(0, BK)
+            a = tl.exp2(tl.load(dec + (slot * Hkv + i_h) * K + rk, mask=rk < K, other=0.0))
+            for i_v in range(NV):
+                x = (_load_state(buf + (slot * Hkv + i_h) * K * V, i_k * BK, i_v * BV, K, V, BK, BV)
+                     + a[:, None] * _load_state(buf + (aslot * Hkv + i_h) * K * V,
+                                                i_k * BK, i_v * BV, K, V, BK, BV))
+                _store_state(buf + (slot * Hkv + i_h) * K * V, x, i_k * BK, i_v * BV, K, V, BK, BV)
 
 
 @triton.jit
@@ -352,46 +495,62 @@ def _fwd_output_kernel(q, k, v, g, o, hbuf, cu_seqlens, chunk_offsets, chunk_ind
 # ----------------------------------------------------------------------------------------
 
 @triton.jit
-def _bwd_dh_kernel(q, g, do, dht, dh0, dhbuf, cu_seqlens, chunk_offsets, T, scale,
+def _bwd_dh_kernel(q, g, do, dht, dh0, dhbuf, dec, segend, cu_seqlens, chunk_offsets, seg_indices,
+                   T, seg_len, n_seg, scale,
                    H: tl.constexpr, Hkv: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
                    BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, R: tl.constexpr,
                    USE_DHT: tl.constexpr, STORE_DH0: tl.constexpr, IS_VARLEN: tl.constexpr,
-                   DOT_BF16: tl.constexpr, PREC: tl.constexpr):
+                   SEGMENTED: tl.constexpr, DOT_BF16: tl.constexpr, PREC: tl.constexpr):
     """Reverse walk: dhbuf[c0 + n + i] = gradient of the state at the start of chunk i,
     dh_i = 2^{G_last} dh_{i+1} + s * sum_heads (q 2^G)^T do; entry NT = dht (or 0).
+    SEGMENTED mirrors the forward pass: every segment but the last starts from zero at its
+    end, writes its inside slots, dec[slot] = log2 decay from each slot to its end, and its
+    local first-slot value into segend (see _seg_combine_kernel, _seg_fixup_kernel).
     As in the forward pass, the loads run one step ahead: g one chunk ahead, (q, do) one
     (chunk, head) pair ahead."""
     i_k = tl.program_id(0)
     i_v = tl.program_id(1)
-    i_nh = tl.program_id(2)
-    i_n = i_nh // Hkv
-    i_h = i_nh % Hkv
+    i_sh = tl.program_id(2)
+    i_sg = i_sh // Hkv
+    i_h = i_sh % Hkv
+    i_n, i_s = _segment_of(i_sg, seg_indices, n_seg, SEGMENTED, IS_VARLEN)
+    i_nh = i_n * Hkv + i_h
     bos, eos, c0 = _seq_bounds(i_n, cu_seqlens, chunk_offsets, T, BT, IS_VARLEN)
     NT = tl.cdiv(eos - bos, BT)
+    if SEGMENTED:
+        t_first = i_s * seg_len
+        t_end = tl.minimum(NT, t_first + seg_len)
+    else:
+        t_first = NT * 0
+        t_end = NT
+    last = t_end == NT
     k0 = i_k * BK
     v0 = i_v * BV
 
     b_dh = tl.zeros([BK, BV], dtype=tl.float32)
     if USE_DHT:
-        b_dh += _load_state(dht + i_nh.to(tl.int64) * K * V, k0, v0, K, V, BK, BV)
-    hp = dhbuf + ((c0 + i_n + NT) * Hkv + i_h) * K * V
-    _store_state(hp, b_dh, k0, v0, K, V, BK, BV)
+        if last:
+            b_dh += _load_state(dht + i_nh.to(tl.int64) * K * V, k0, v0, K, V, BK, BV)
+    if last:
+        hp = dhbuf + ((c0 + i_n + NT) * Hkv + i_h) * K * V
+        _store_state(hp, b_dh, k0, v0, K, V, BK, BV)
+    b_d = tl.zeros([BK], dtype=tl.float32)                 # log2 decay down to t_end
     gp = g + i_h * K
     qp = q + i_h * R * K
     dop = do + i_h * R * V
-    # last chunk, first head of the group (all masked when the sequence is empty)
-    t_last = bos + (NT - 1) * BT
-    n_last = tl.where(NT > 0, eos - t_last, 0)
+    # last chunk, first head of the group (all masked when the segment is empty)
+    t_last = bos + (t_end - 1) * BT
+    n_last = tl.where(t_end > t_first, eos - t_last, 0)
     n_g = _load_rows(gp, t_last, n_last, Hkv * K, k0, K, BT, BK)
     n_q = _load_rows(qp, t_last, n_last, H * K, k0, K, BT, BK)
     n_do = _load_rows(dop, t_last, n_last, H * V, v0, V, BT, BV)
-    for i in range(NT):
-        i_t = NT - 1 - i
+    for i in range(t_end - t_first):
+        i_t = t_end - 1 - i
         t0 = bos + i_t * BT
         b_g = n_g
-        # previous chunk's g (nothing left to load once i_t == 0)
+        # previous chunk's g (nothing left to load at the segment's first chunk)
         t_prev = t0 - BT
-        n_prev = tl.where(i_t > 0, eos - t_prev, 0)
+        n_prev = tl.where(i_t > t_first, eos - t_prev, 0)
         n_g = _load_rows(gp, t_prev, n_prev, Hkv * K, k0, K, BT, BK)
         G, G_last = _cum_gates(b_g)
         e_q = tl.exp2(G)
@@ -412,9 +571,18 @@ def _bwd_dh_kernel(q, g, do, dht, dh0, dhbuf, cu_seqlens, chunk_offsets, T, scal
             n_do = _load_rows(dop + r_n * V, t_n, n_n, H * V, v0, V, BT, BV)
             acc += _mm(tl.trans(b_q * e_q), b_do, DOT_BF16, PREC)
         b_dh = b_dh * tl.exp2(G_last)[:, None] + acc * scale
-        hp = dhbuf + ((c0 + i_n + i_t) * Hkv + i_h) * K * V
-        _store_state(hp, b_dh, k0, v0, K, V, BK, BV)
-    if STORE_DH0:
+        slot = c0 + i_n + i_t
+        if SEGMENTED:
+            b_d += G_last
+            if i_v == 0:
+                _store_dec(dec, slot, i_h, b_d, k0, Hkv, K, BK)
+            if i_t > t_first:
+                _store_state(dhbuf + (slot * Hkv + i_h) * K * V, b_dh, k0, v0, K, V, BK, BV)
+        else:
+            _store_state(dhbuf + (slot * Hkv + i_h) * K * V, b_dh, k0, v0, K, V, BK, BV)
+    if SEGMENTED:
+        _store_state(segend + (i_sg * Hkv + i_h).to(tl.int64) * K * V, b_dh, k0, v0, K, V, BK, BV)
+    elif STORE_DH0:
         _store_state(dh0 + i_nh.to(tl.int64) * K * V, b_dh, k0, v0, K, V, BK, BV)
 
 
@@ -722,7 +890,37 @@ def _varlen_meta(cu_seqlens, T, BT, device):
     within = torch.arange(total) - torch.repeat_interleave(offsets[:-1], n_chunks)
     indices = torch.stack([seq, within], dim=1).to(torch.int32).contiguous()
     return (cu.to(device=device, dtype=torch.int32), offsets.to(device=device, dtype=torch.int32),
-            indices.to(device), total)
+            indices.to(device), total, n_chunks)
+
+
+class _Segments:
+    """How the sequential passes split each sequence: seg_len chunks per segment (0: one
+    walk per sequence). n_seg segments per sequence (fixed length), or per-sequence counts
+    through offsets [N+1] and indices [total, 2] (sequence, segment) for packed documents."""
+
+    def __init__(self, seg_len, n_chunks, varlen, device):
+        self.seg_len = int(seg_len)
+        self.n_seg = 1
+        self.offsets = self.indices = None
+        if not self.seg_len:
+            self.total = len(n_chunks)
+            return
+        per_seq = [max(1, -(-int(n) // self.seg_len)) for n in n_chunks]
+        self.total = sum(per_seq)
+        if varlen:
+            counts = torch.tensor(per_seq, dtype=torch.int64)
+            offsets = torch.zeros(len(per_seq) + 1, dtype=torch.int64)
+            offsets[1:] = torch.cumsum(counts, 0)
+            seq = torch.repeat_interleave(torch.arange(len(per_seq)), counts)
+            within = torch.arange(self.total) - torch.repeat_interleave(offsets[:-1], counts)
+            self.offsets = offsets.to(device=device, dtype=torch.int32)
+            self.indices = torch.stack([seq, within], 1).to(torch.int32).contiguous().to(device)
+        else:
+            self.n_seg = per_seq[0]
+
+    @property
+    def on(self) -> bool:
+        return self.seg_len > 0
 
 
 def _num_sms(device) -> int:
@@ -764,22 +962,30 @@ class _Config:
             self.BV_g = min(max(16, np2(V)), 64)
             self.BK_seq = min(np2(K), 64)
             self.BV_seq = min(max(16, np2(V)), 64)
-            progs = lambda bv: N * Hkv * triton.cdiv(K, self.BK_seq) * triton.cdiv(V, bv)
-            # Narrower V tiles give the sequential passes more programs but re-read k and g
-            # per tile; on the H200 64-wide won down to 128 programs, 32-wide below that.
-            while self.BV_seq > 32 and progs(self.BV_seq) < 0.75 * _num_sms(device):
-                self.BV_seq //= 2
+        # Sequential passes: when one walk per (sequence, KV head, tile) leaves SMs idle, the
+        # sequences are cut into segments of seg_len chunks walked in parallel, then chained
+        # (see _seg_combine_kernel). None: chosen per call from the chunk counts; 0: never.
+        self.seg_len = None
+        self.seg_programs = 2 * _num_sms(device)     # aim: 2 programs per SM
+        self.seg_min = 4                             # chunks: shorter walks cost more fix-up
         self.dot_bf16 = dtype == torch.bfloat16
         # fp32 inputs get exact fp32 products; fp16 inputs tf32 (10-bit mantissa, like fp16).
         self.prec = "ieee" if dtype == torch.float32 else "tf32"
         # [64, 64] fp32 tiles are 32 registers a thread at 4 warps: most kernels keep 6-12 of
         # them alive, so 8 warps unless the tiles are small (ptxas spill counts for sm_90).
-        self.warps_seq = 8 if self.BK_seq * self.BT >= 64 * 64 else 4
+        # The sequential passes are latency chains: 4 warps measured faster than 8 on the H200
+        # at every benchmark shape (8x2048 H32 D64: 0.42 -> 0.33 ms forward).
+        # (fp32 operands, used for fp16/fp32 inputs, spill heavily at 4 warps: 8 there.)
+        self.warps_seq = 4 if dtype == torch.bfloat16 else 8
         self.stages_seq = 2
         # bf16 output kernels: 4 warps measured faster on the H200 at D = 64 and 128.
         small = self.BT * max(self.BK_o, self.BV_o) < 64 * 64
         self.warps_o = 4 if small or (dtype == torch.bfloat16 and K <= 128 and V <= 128) else 8
-        self.warps_g = 8 if self.BT * max(self.BK_g, self.BV_g) >= 64 * 64 else 4
+        # dq/dk/dg(+dv): ptxas caps it at 255 registers either way; at K, V <= 64 in bf16, 4
+        # warps (2 programs per SM) beat 8 on the H200 (8x2048 H32 D64: 1.52 -> 1.40 ms f+b),
+        # at K = 128 8 warps stay ahead (2.15 vs 2.25 ms).
+        wide_tiles = self.BT * max(self.BK_g, self.BV_g) >= 64 * 64
+        self.warps_g = 8 if wide_tiles and not (self.dot_bf16 and K <= 64 and V <= 64) else 4
         self.stages_chunk = 1
         self.state_dtype = torch.bfloat16 if dtype == torch.bfloat16 else torch.float32
         for name, value in OVERRIDES.items():
@@ -790,17 +996,38 @@ class _Config:
         # dv inside the dq/dk/dg kernel when one program sees all of K and V.
         self.merge_dv = bool(OVERRIDES.get("merge_dv", True)) and self.NK_g == 1 and self.NV_g == 1
 
+    def plan_segments(self, n_chunks, Hkv, varlen, device) -> _Segments:
+        """Segments for the sequential passes, given the chunk count of every sequence.
+        1x16384 H32 D64: 32 walks of 256 chunks (0.72 ms forward pass measured) become
+        288 walks of 29 chunks."""
+        seg_len = self.seg_len
+        if seg_len is None:
+            seg_len = 0
+            nt_max = max(n_chunks, default=0)
+            walks = len(n_chunks) * Hkv * self.NK_seq * self.NV_seq
+            if walks < _num_sms(device) and nt_max > 2 * self.seg_min:
+                per_seq = triton.cdiv(self.seg_programs, walks)
+                seg_len = max(self.seg_min, triton.cdiv(nt_max, per_seq))
+                if seg_len >= nt_max:
+                    seg_len = 0
+        return _Segments(seg_len, n_chunks, varlen, device)
 
-def _forward(q, k, v, g, scale, h0, want_ht, cu_seqlens, tiles, chunk):
+
+def _forward(q, k, v, g, scale, h0, want_ht, cu_seqlens, tiles, chunk, segment):
     B, T, H, Hkv, K, V, N = _check(q, k, v, g, h0, cu_seqlens, chunked=True)
     cfg = _Config(B, T, H, Hkv, K, V, N, q.dtype, q.device, tiles, chunk)
+    if segment is not None:                         # private: force the segment length (tests)
+        cfg.seg_len = int(segment)
     if cu_seqlens is not None:
-        cu, offsets, indices, total = _varlen_meta(cu_seqlens, T, cfg.BT, q.device)
+        cu, offsets, indices, total, n_chunks = _varlen_meta(cu_seqlens, T, cfg.BT, q.device)
         n_entries = total + N
+        n_chunks = n_chunks.tolist()
     else:
         cu = offsets = indices = None
         total = B * triton.cdiv(T, cfg.BT)
         n_entries = total + B
+        n_chunks = [triton.cdiv(T, cfg.BT)] * B
+    seg = cfg.plan_segments(n_chunks, Hkv, cu is not None, q.device)
     R = H // Hkv
     q, k, v, g = (x.contiguous() for x in (q, k, v, g))
     if h0 is not None:
@@ -809,21 +1036,47 @@ def _forward(q, k, v, g, scale, h0, want_ht, cu_seqlens, tiles, chunk):
     ht = _new((N, Hkv, K, V), torch.float32, q.device) if want_ht else None
     o = _new((B, T, H, V), q.dtype, q.device)
     common = dict(IS_VARLEN=cu is not None, DOT_BF16=cfg.dot_bf16, PREC=cfg.prec)
-    _fwd_state_kernel[(cfg.NK_seq, cfg.NV_seq, N * Hkv)](
-        k, v, g, h0, ht, hbuf, cu, offsets, T,
+    dec, segend = _segment_buffers(seg, n_entries, Hkv, K, V, q.device)
+    _fwd_state_kernel[(cfg.NK_seq, cfg.NV_seq, seg.total * Hkv)](
+        k, v, g, h0, ht, hbuf, dec, segend, cu, offsets, seg.indices, T, seg.seg_len, seg.n_seg,
         Hkv=Hkv, K=K, V=V, BT=cfg.BT, BK=cfg.BK_seq, BV=cfg.BV_seq,
-        USE_H0=h0 is not None, STORE_HT=want_ht, **common,
+        USE_H0=h0 is not None, STORE_HT=want_ht, SEGMENTED=seg.on, **common,
         num_warps=cfg.warps_seq, num_stages=cfg.stages_seq)
+    if seg.on:
+        _chain_segments(cfg, seg, hbuf, dec, segend, ht, cu, offsets, indices, T, total, N,
+                        Hkv, K, V, reverse=False)
     _fwd_output_kernel[(total, Hkv)](
         q, k, v, g, o, hbuf, cu, offsets, indices, T, scale,
         H=H, Hkv=Hkv, K=K, V=V, BT=cfg.BT, BK=cfg.BK_o, BV=cfg.BV_o, NK=cfg.NK_o, NV=cfg.NV_o,
         R=R, **common, num_warps=cfg.warps_o, num_stages=cfg.stages_chunk)
-    meta = (cfg, cu, offsets, indices, total, N)
+    meta = (cfg, cu, offsets, indices, total, N, seg)
     return o, ht, hbuf, meta
 
 
+def _segment_buffers(seg, n_entries, Hkv, K, V, device):
+    """dec (log2 decays per slot, fp32) and segend (local segment results, fp32)."""
+    if not seg.on:
+        return None, None
+    return (_new((n_entries, Hkv, K), torch.float32, device),
+            _new((seg.total, Hkv, K, V), torch.float32, device))
+
+
+def _chain_segments(cfg, seg, buf, dec, segend, final, cu, offsets, indices, T, total, N,
+                    Hkv, K, V, reverse):
+    """After a segmented pass: true states at the segment anchors, then at every slot."""
+    IS_VARLEN = cu is not None
+    _seg_combine_kernel[(cfg.NK_seq, cfg.NV_seq, N * Hkv)](
+        buf, dec, segend, final, cu, offsets, seg.offsets, T, seg.seg_len, seg.n_seg,
+        Hkv=Hkv, K=K, V=V, BT=cfg.BT, BK=cfg.BK_seq, BV=cfg.BV_seq, REVERSE=reverse,
+        STORE_FINAL=final is not None, IS_VARLEN=IS_VARLEN, num_warps=4)
+    _seg_fixup_kernel[(total, Hkv)](
+        buf, dec, cu, offsets, indices, T, seg.seg_len,
+        Hkv=Hkv, K=K, V=V, BT=cfg.BT, BK=cfg.BK_seq, BV=cfg.BV_seq, NK=cfg.NK_seq,
+        NV=cfg.NV_seq, REVERSE=reverse, IS_VARLEN=IS_VARLEN, num_warps=4)
+
+
 def _backward(q, k, v, g, scale, hbuf, meta, do, dht, want_dh0):
-    cfg, cu, offsets, indices, total, N = meta
+    cfg, cu, offsets, indices, total, N, seg = meta
     B, T, H, K = q.shape
     Hkv, V = k.shape[2], v.shape[3]
     R = H // Hkv
@@ -837,11 +1090,16 @@ def _backward(q, k, v, g, scale, hbuf, meta, do, dht, want_dh0):
     dv = _new(v.shape, v.dtype, q.device)
     dg = _new(g.shape, g.dtype, q.device)
     common = dict(IS_VARLEN=cu is not None, DOT_BF16=cfg.dot_bf16, PREC=cfg.prec)
-    _bwd_dh_kernel[(cfg.NK_seq, cfg.NV_seq, N * Hkv)](
-        q, g, do, dht, dh0, dhbuf, cu, offsets, T, scale,
+    dec, segend = _segment_buffers(seg, hbuf.shape[0], Hkv, K, V, q.device)
+    _bwd_dh_kernel[(cfg.NK_seq, cfg.NV_seq, seg.total * Hkv)](
+        q, g, do, dht, dh0, dhbuf, dec, segend, cu, offsets, seg.indices, T, seg.seg_len,
+        seg.n_seg, scale,
         H=H, Hkv=Hkv, K=K, V=V, BT=cfg.BT, BK=cfg.BK_seq, BV=cfg.BV_seq, R=R,
-        USE_DHT=dht is not None, STORE_DH0=want_dh0, **common,
+        USE_DHT=dht is not None, STORE_DH0=want_dh0, SEGMENTED=seg.on, **common,
         num_warps=cfg.warps_seq, num_stages=cfg.stages_seq)
+    if seg.on:
+        _chain_segments(cfg, seg, dhbuf, dec, segend, dh0, cu, offsets, indices, T, total, N,
+                        Hkv, K, V, reverse=True)
     _bwd_dqkg_kernel[(cfg.NK_g, total, Hkv)](
         q, k, v, g, do, hbuf, dhbuf, dq, dk, dg, dv, cu, offsets, indices, T, scale,
         H=H, Hkv=Hkv, K=K, V=V, BT=cfg.BT, BK=cfg.BK_g, BV=cfg.BV_g, NV=cfg.NV_g, R=R,
@@ -858,10 +1116,10 @@ class _FusedChunkGLA(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, g, scale, initial_state, output_final_state, cu_seqlens, tiles,
-                chunk):
+                chunk, segment):
         q, k, v, g = (x.contiguous() for x in (q, k, v, g))
         o, ht, hbuf, meta = _forward(q, k, v, g, scale, initial_state, output_final_state,
-                                     cu_seqlens, tiles, chunk)
+                                     cu_seqlens, tiles, chunk, segment)
         ctx.save_for_backward(q, k, v, g, hbuf)
         ctx.meta = meta
         ctx.scale = scale
@@ -880,24 +1138,25 @@ class _FusedChunkGLA(torch.autograd.Function):
         dq, dk, dv, dg, dh0 = _backward(q, k, v, g, ctx.scale, hbuf, ctx.meta, do, dht, want_dh0)
         if dh0 is not None and dh0.dtype != ctx.h0_dtype:
             dh0 = dh0.to(ctx.h0_dtype)               # autograd wants the input's dtype
-        return dq, dk, dv, dg, None, dh0, None, None, None, None
+        return dq, dk, dv, dg, None, dh0, None, None, None, None, None
 
 
 def fused_chunk_gla(q, k, v, g, scale=None, initial_state=None, output_final_state=False,
-                    cu_seqlens=None, *, _tiles=None, _chunk=None):
+                    cu_seqlens=None, *, _tiles=None, _chunk=None, _segment=None):
     """Chunk-parallel GLA, differentiable in q, k, v, g and initial_state.
 
     q [B, T, H, K]; k, g [B, T, Hkv, K]; v [B, T, Hkv, V]; g = per-step log-decays (<= 0).
     Returns (o [B, T, H, V] in q's dtype, final state [N, Hkv, K, V] float32 or None).
     cu_seqlens (int32/int64, N+1 cumulative lengths, B must be 1) packs N documents; the
     state restarts at each boundary and initial/final states are per document.
-    `_tiles=(BK, BV)` and `_chunk` are private (tests): they force the tile sizes of every
-    kernel and the chunk length.
+    `_tiles=(BK, BV)`, `_chunk` and `_segment` are private (tests): they force the tile sizes
+    of every kernel, the chunk length and the chunks per segment of the sequential passes
+    (0: one walk per sequence).
     """
     _check(q, k, v, g, initial_state, cu_seqlens, chunked=True)
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
     return _FusedChunkGLA.apply(q, k, v, g, scale, initial_state, bool(output_final_state),
-                                cu_seqlens, _tiles, _chunk)
+                                cu_seqlens, _tiles, _chunk, _segment)
 
 
 def fused_recurrent_gla(q, k, v, g, scale=None, initial_state=None, output_final_state=False):

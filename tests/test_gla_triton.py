@@ -103,7 +103,8 @@ def make_inputs(B, T, H, Hkv, K, V, gate="normal", h0=False, seqs=None, seed=0):
 
 
 def run_and_compare(B, T, H, Hkv, K, V, dtype=torch.float32, gate="normal", h0=True,
-                    final=True, seqs=None, tiles=None, chunk=None, scale=None, tol=None):
+                    final=True, seqs=None, tiles=None, chunk=None, scale=None, tol=None,
+                    segment=None):
     """Forward + backward of fused_chunk_gla against recurrent_gla_torch in float64 on the
     same (dtype-rounded) data. Returns the dict of relative errors after asserting them."""
     (q, k, v, g), s0, cu, do, dht = make_inputs(B, T, H, Hkv, K, V, gate, h0, seqs)
@@ -111,7 +112,7 @@ def run_and_compare(B, T, H, Hkv, K, V, dtype=torch.float32, gate="normal", h0=T
     s0_t = None if s0 is None else s0.to(DEVICE).clone().requires_grad_()
     cu_t = None if cu is None else cu.to(DEVICE)
     o, ht = fused_chunk_gla(*xs, scale=scale, initial_state=s0_t, output_final_state=final,
-                            cu_seqlens=cu_t, _tiles=tiles, _chunk=chunk)
+                            cu_seqlens=cu_t, _tiles=tiles, _chunk=chunk, _segment=segment)
     assert o.dtype == dtype and o.shape == (B, T, H, V)
     loss = (o.double() * do.to(DEVICE).double()).sum()
     if final:
@@ -218,6 +219,43 @@ def test_multi_tile(gate):
 def test_small_chunks_long_sequence():
     # many chunks per sequence with the default tiles, GQA, strong and weak channels
     run_and_compare(B=1, T=120, H=4, Hkv=2, K=32, V=32, gate="mixed", chunk=16)
+
+
+@needs_kernels
+@pytest.mark.parametrize("segment", [1, 3])
+def test_segmented_sequential_passes(segment):
+    # the state and dh passes cut into segments of `segment` chunks (the last one shorter),
+    # chained by the combine kernel and fixed up in parallel; initial state, dht, GQA
+    run_and_compare(B=2, T=150, H=4, Hkv=2, K=32, V=32, gate="mixed", chunk=16, segment=segment)
+
+
+@needs_kernels
+def test_segmented_varlen_with_empty_document():
+    # documents of 5, 1, 0 and 5 chunks: per-document segment counts, an empty document
+    run_and_compare(B=1, T=150, H=4, Hkv=2, K=32, V=32, seqs=[70, 1, 0, 79], chunk=16,
+                    segment=2)
+
+
+@needs_kernels
+def test_segmented_multi_tile_bf16():
+    run_and_compare(B=1, T=100, H=2, Hkv=1, K=48, V=24, dtype=torch.bfloat16, gate="mixed",
+                    tiles=(16, 16), chunk=16, segment=2)
+
+
+def test_segment_plan():
+    """Segments only when the walks would leave SMs idle; 132 SMs assumed off-GPU."""
+    def plan(B, T, Hkv, K, seqs=None):
+        cfg = gla_triton._Config(B, T, Hkv, Hkv, K, K, B, torch.bfloat16, torch.device("cpu"))
+        chunks = [-(-T // cfg.BT)] * B if seqs is None else [-(-n // cfg.BT) for n in seqs]
+        return cfg.plan_segments(chunks, Hkv, seqs is not None, torch.device("cpu"))
+    assert not plan(8, 2048, 32, 64).on                  # 256 walks already
+    long = plan(1, 16384, 32, 64)                        # 32 walks of 256 chunks
+    assert long.on and long.seg_len == 29 and long.n_seg == 9 and long.total == 9
+    assert plan(1, 16384, 16, 128).total * 16 * 4 >= 2 * 132
+    assert not plan(1, 300, 4, 64).on                    # too few chunks to cut
+    docs = plan(1, 16384, 8, 64, seqs=[16000, 100, 284])
+    assert docs.on and docs.indices.shape == (docs.total, 2)
+    assert docs.offsets.tolist()[-1] == docs.total
 
 
 @needs_kernels
