@@ -99,7 +99,13 @@ def main():
     ap.add_argument("--shapes", default=",".join(SHAPES))
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--json")
+    ap.add_argument("--set", action="append", metavar="KEY=VALUE",
+                    help="kernel launch override (gla_triton._Config attribute), as in bench_kernels.py")
     args = ap.parse_args()
+    from glaswap_kernels import gla_triton
+    for item in args.set or []:
+        key, _, value = item.partition("=")
+        gla_triton.OVERRIDES[key] = int(value) if value.lstrip("-").isdigit() else value
     rows = []
     for shape in args.shapes.split(","):
         teacher, student, peft_student = build(shape)

@@ -8,6 +8,7 @@ medians of bench_kernels.py.
 
     python benchmarks/profile_kernels.py                    # 6 shapes
     python benchmarks/profile_kernels.py --shape 8x2048:32:64 --set BT=128
+    python benchmarks/profile_kernels.py --no-sdpa --shape 1x16384:9/3:64x65   # SmolLM2 + normaliser
     python benchmarks/profile_kernels.py --ncu              # one iteration per shape, for
         ncu --clock-control none -k regex:_kernel python benchmarks/profile_kernels.py --ncu
 """
@@ -33,13 +34,14 @@ DEFAULT_SHAPES = ["8x2048:32:64", "2x8192:32:64", "1x16384:32:64",
 
 
 def parse_shape(text: str) -> dict:
-    """'BxT:H:D' or 'BxT:H/Hkv:D'."""
+    """'BxT:H:D', 'BxT:H/Hkv:D' or with K != V 'BxT:H/Hkv:KxV' (e.g. 1x16384:9/3:64x65)."""
     bt, h, d = text.split(":")
     B, T = (int(x) for x in bt.split("x"))
     H, _, Hkv = h.partition("/")
     H = int(H)
     Hkv = int(Hkv) if Hkv else H
-    return dict(name=text, B=B, T=T, H=H, Hkv=Hkv, K=int(d), V=int(d), seqs=None)
+    K, _, V = d.partition("x")
+    return dict(name=text, B=B, T=T, H=H, Hkv=Hkv, K=int(K), V=int(V or K), seqs=None)
 
 
 def _device_time(evt) -> float:
@@ -133,7 +135,7 @@ def main(argv=None):
             continue
         res = {"glaswap": profile(run, args.iters)}
         g_total = show(f"glaswap {text} {gla_triton.OVERRIDES or ''}", res["glaswap"])
-        if not args.no_sdpa:
+        if not args.no_sdpa and s["K"] == s["V"]:
             res["sdpa"] = profile(sdpa_fn(s), args.iters)
             s_total = show(f"sdpa flash {text}", res["sdpa"])
             print(f"  kernel-time ratio sdpa/glaswap: {s_total / g_total:.2f}")

@@ -56,6 +56,27 @@ profile)    # per-kernel GPU time (torch profiler), Nsight Compute sections, tun
     echo "### variant: $v"
     python3 benchmarks/bench_kernels.py --quick --only glaswap --no-check $v 2>&1 | tail -6 | head -5
   done ;;
+variants)   # quick glaswap-only table per --set variant (the first one checked too)
+  python3 benchmarks/bench_kernels.py --quick --only glaswap 2>&1 | tail -6 | head -5
+  for v in "${@:2}"; do
+    echo "### variant: $v"
+    python3 benchmarks/bench_kernels.py --quick --only glaswap --no-check $v 2>&1 | tail -6 | head -5
+  done ;;
+fla-table)  # SDPA and both fla releases at every shape (after the fla step)
+  python3 benchmarks/bench_kernels.py --only sdpa --no-check --fla-timeout "${LIMIT:-400}" \
+      --compare-fla /tmp/fla012:fused_chunk_gla --compare-fla /tmp/fla060 \
+      --json "$OUT/sdpa_fla.json" > "$OUT/sdpa_fla.log" 2>&1; tail -18 "$OUT/sdpa_fla.log" ;;
+final)      # GPU tests and the full table with the defaults
+  python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_gla_triton.py 2>&1 | tee "$OUT/gpu_tests.log" | tail -3
+  python3 benchmarks/bench_kernels.py --json "$OUT/kernels.json" 2>&1 | tee "$OUT/kernels.log" | tail -17 ;;
+regression) # the open SmolLM2 1x16384 question (NOTES: "Unexplained regression")
+  python3 benchmarks/profile_kernels.py --no-sdpa --shape 1x16384:9/3:64x65 --shape 8x2048:9/3:64x65 \
+      2>&1 | grep -E "^##|ms .*%"
+  python3 benchmarks/profile_kernels.py --no-sdpa --shape 1x16384:9/3:64x65 --set seg_len=0 \
+      2>&1 | grep -E "^##|ms .*%"
+  for v in "" "--set seg_len=0"; do
+    python3 benchmarks/bench_distill.py --shapes smollm2-135m --reps 10 $v 2>&1 | tail -7
+  done ;;
 kernels2)   # GPU tests, full table, per-kernel profile at the long shapes, variants
   python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_gla_triton.py 2>&1 | tee "$OUT/gpu_tests.log" | tail -3
   python3 benchmarks/bench_kernels.py --json "$OUT/kernels.json" 2>&1 | tee "$OUT/kernels.log" | tail -17

@@ -15,13 +15,20 @@ P is one tensor-core matmul of (q e^G)(k e^-G)^T when the chunk's total decay is
 it is built row by row with every exponent clamped to <= 0. The choice is made per program
 and per K tile, so it is uniform inside a program.
 
-Kernels (grid in brackets; N = sequences, NT = chunks of a sequence, NTtot = all chunks):
-  forward   _fwd_state_kernel   [NK, NV, N*Hkv]   walks the chunks, writes every chunk-start state
+Kernels (grid in brackets; N = sequences, NT = chunks of a sequence, NTtot = all chunks,
+S = segments of all sequences):
+  forward   _fwd_state_kernel   [NK, NV, S*Hkv]   walks the chunks of a segment, writes every
+                                                  chunk-start state
+            _seg_combine_kernel [NK, NV, N*Hkv]   chains the segments (only when S > N)
+            _seg_fixup_kernel   [NTtot, Hkv]      local -> true states inside segments (idem)
             _fwd_output_kernel  [NTtot, Hkv]      o for every query head of the group
-  backward  _bwd_dh_kernel      [NK, NV, N*Hkv]   reverse walk, writes every dh at chunk starts
+  backward  _bwd_dh_kernel      [NK, NV, S*Hkv]   reverse walk, writes every dh at chunk starts
+            (_seg_combine_kernel, _seg_fixup_kernel in reverse, when S > N)
             _bwd_dqkg_kernel    [NK, NTtot, Hkv]  dq (each head), dk, dg (+ dv when merge_dv)
             _bwd_dv_kernel      [NV, NTtot, Hkv]  dv (skipped when merge_dv)
   decoding  _recurrent_kernel   [NV, B*Hkv]       token by token, state in registers
+The sequential passes are cut into segments (S > N) only when one walk per sequence would
+leave SMs idle (few long sequences); see _Config.plan_segments.
 The chunk-start states of the forward pass (bf16 for bf16 inputs, fp32 otherwise) are kept
 for the backward pass instead of being recomputed.
 
@@ -226,9 +233,11 @@ def _dqk_slow(dP, b_q, b_k, gp, t0, n_valid, stride_t, c0, K: tl.constexpr,
 # ----------------------------------------------------------------------------------------
 
 @triton.jit
-def _segment_of(i_sg, seg_indices, n_seg, SEGMENTED: tl.constexpr, IS_VARLEN: tl.constexpr):
-    """(sequence, segment within it) of program i_sg of a sequential pass. Unsegmented passes
-    run one program per sequence (its only segment)."""
+def _walk_range(i_sg, seg_indices, n_seg, cu_seqlens, chunk_offsets, T, seg_len,
+                BT: tl.constexpr, SEGMENTED: tl.constexpr, IS_VARLEN: tl.constexpr):
+    """What program i_sg of a sequential pass walks: its sequence i_n, segment i_s, the
+    sequence bounds (bos, eos, c0), the sequence's chunk count NT and the chunk range
+    [t_first, t_end). Unsegmented passes walk a whole sequence each (segment 0)."""
     if SEGMENTED:
         if IS_VARLEN:
             i_n = tl.load(seg_indices + 2 * i_sg)
@@ -239,7 +248,15 @@ def _segment_of(i_sg, seg_indices, n_seg, SEGMENTED: tl.constexpr, IS_VARLEN: tl
     else:
         i_n = i_sg
         i_s = i_sg * 0
-    return i_n, i_s
+    bos, eos, c0 = _seq_bounds(i_n, cu_seqlens, chunk_offsets, T, BT, IS_VARLEN)
+    NT = tl.cdiv(eos - bos, BT)
+    if SEGMENTED:
+        t_first = i_s * seg_len
+        t_end = tl.minimum(NT, t_first + seg_len)
+    else:
+        t_first = NT * 0
+        t_end = NT
+    return i_n, i_s, bos, eos, c0, NT, t_first, t_end
 
 
 @triton.jit
@@ -272,16 +289,9 @@ def _fwd_state_kernel(k, v, g, h0, ht, hbuf, dec, segend, cu_seqlens, chunk_offs
     i_sh = tl.program_id(2)
     i_sg = i_sh // Hkv
     i_h = i_sh % Hkv
-    i_n, i_s = _segment_of(i_sg, seg_indices, n_seg, SEGMENTED, IS_VARLEN)
+    i_n, i_s, bos, eos, c0, NT, t_first, t_end = _walk_range(
+        i_sg, seg_indices, n_seg, cu_seqlens, chunk_offsets, T, seg_len, BT, SEGMENTED, IS_VARLEN)
     i_nh = i_n * Hkv + i_h
-    bos, eos, c0 = _seq_bounds(i_n, cu_seqlens, chunk_offsets, T, BT, IS_VARLEN)
-    NT = tl.cdiv(eos - bos, BT)
-    if SEGMENTED:
-        t_first = i_s * seg_len
-        t_end = tl.minimum(NT, t_first + seg_len)
-    else:
-        t_first = NT * 0
-        t_end = NT
     k0 = i_k * BK
     v0 = i_v * BV
 
@@ -513,16 +523,9 @@ def _bwd_dh_kernel(q, g, do, dht, dh0, dhbuf, dec, segend, cu_seqlens, chunk_off
     i_sh = tl.program_id(2)
     i_sg = i_sh // Hkv
     i_h = i_sh % Hkv
-    i_n, i_s = _segment_of(i_sg, seg_indices, n_seg, SEGMENTED, IS_VARLEN)
+    i_n, i_s, bos, eos, c0, NT, t_first, t_end = _walk_range(
+        i_sg, seg_indices, n_seg, cu_seqlens, chunk_offsets, T, seg_len, BT, SEGMENTED, IS_VARLEN)
     i_nh = i_n * Hkv + i_h
-    bos, eos, c0 = _seq_bounds(i_n, cu_seqlens, chunk_offsets, T, BT, IS_VARLEN)
-    NT = tl.cdiv(eos - bos, BT)
-    if SEGMENTED:
-        t_first = i_s * seg_len
-        t_end = tl.minimum(NT, t_first + seg_len)
-    else:
-        t_first = NT * 0
-        t_end = NT
     last = t_end == NT
     k0 = i_k * BK
     v0 = i_v * BV
@@ -622,15 +625,18 @@ def _bwd_dqkg_kernel(q, k, v, g, do, hbuf, dhbuf, dq, dk, dg, dv, cu_seqlens, ch
     gp = g + i_h * K
     vp = v + i_h * V
 
-    b_k = _load_rows(kp, t0, n_valid, Hkv * K, k0, K, BT, BK).to(tl.float32)
+    # Live ranges are kept short (this kernel sits at the 255-register cap): k stays in its
+    # input dtype and is widened where used, and of the decay factors only G is kept;
+    # 2^G and 2^-G are recomputed at each use (a few thousand exps per program are cheaper
+    # than spilled tiles; ptxas, sm_90, bf16 K=V=64 at 4 warps: 1204 -> 1016 spilled bytes,
+    # H200 8x2048 H32 D64 f+b 1.246 -> 1.152 ms).
+    b_kr = _load_rows(kp, t0, n_valid, Hkv * K, k0, K, BT, BK)
     G, G_last = _gates(gp, t0, n_valid, Hkv * K, k0, K, BT, BK)
-    e_q = tl.exp2(G)
     fast = tl.max(-G_last, axis=0) < _SAFE
     if fast:
-        e_k = tl.exp2(-G)                                  # <= 2^SAFE
+        k_e = _op(b_kr.to(tl.float32) * tl.exp2(-G), DOT_BF16)     # <= 2^SAFE
     else:
-        e_k = e_q                                          # unused
-    k_e = _op(b_k * e_k, DOT_BF16)
+        k_e = _op(b_kr, DOT_BF16)                          # unused
     if WITH_DV:
         b_v = _load_rows(vp, t0, n_valid, Hkv * V, 0, V, BT, BV)
         b_dv = tl.zeros([BT, BV], dtype=tl.float32)
@@ -639,13 +645,21 @@ def _bwd_dqkg_kernel(q, k, v, g, do, hbuf, dhbuf, dq, dk, dg, dv, cu_seqlens, ch
     dg_acc = tl.zeros([BT, BK], dtype=tl.float32)          # q dq - k dk without the diagonal
     for r in range(R):
         hq = i_h * R + r
-        b_q = _load_rows(q + hq * K, t0, n_valid, H * K, k0, K, BT, BK).to(tl.float32)
-        q_e = _op(b_q * e_q, DOT_BF16)
+        b_qr = _load_rows(q + hq * K, t0, n_valid, H * K, k0, K, BT, BK)
+        q_e = _op(b_qr.to(tl.float32) * tl.exp2(G), DOT_BF16)
         if WITH_DV:
             b_do = _load_rows(do + hq * V, t0, n_valid, H * V, 0, V, BT, BV)
             b_h = _load_state(hbuf + st_n, k0, 0, K, V, BK, BV)
             dP = _mm(b_do, tl.trans(b_v), DOT_BF16, PREC)
             dq_h = _mm(b_do, tl.trans(b_h), DOT_BF16, PREC)
+            # dv's intra part first, so that P dies before dq and dk are built
+            if fast:
+                P = _mm(q_e, tl.trans(k_e), DOT_BF16, PREC)
+            else:
+                P = _scores_slow(b_qr.to(tl.float32), b_kr.to(tl.float32), gp, t0, n_valid,
+                                 Hkv * K, k0, K, BT, BK)
+            P = tl.where(rows[:, None] >= rows[None, :], P * scale, 0.0)
+            b_dv += _mm(tl.trans(P), b_do, DOT_BF16, PREC)
         else:
             dP = tl.zeros([BT, BT], dtype=tl.float32)
             dq_h = tl.zeros([BT, BK], dtype=tl.float32)
@@ -658,30 +672,21 @@ def _bwd_dqkg_kernel(q, k, v, g, do, hbuf, dhbuf, dq, dk, dg, dv, cu_seqlens, ch
         dP = dP * scale
         d = tl.sum(tl.where(diag, dP, 0.0), axis=1)        # [BT]
         dP = tl.where(strict, dP, 0.0)
-        b_dq = dq_h * (e_q * scale)
+        b_q = b_qr.to(tl.float32)
         if fast:
-            b_dq += _mm(dP, k_e, DOT_BF16, PREC) * e_q
-            dk_low = _mm(tl.trans(dP), q_e, DOT_BF16, PREC) * e_k
-            if WITH_DV:
-                P = _mm(q_e, tl.trans(k_e), DOT_BF16, PREC)
+            b_dq = (dq_h * scale + _mm(dP, k_e, DOT_BF16, PREC)) * tl.exp2(G)
+            dk_low = _mm(tl.trans(dP), q_e, DOT_BF16, PREC) * tl.exp2(-G)
         else:
-            dq_s, dk_low = _dqk_slow(dP, b_q, b_k, gp, t0, n_valid, Hkv * K, k0, K, BT, BK)
-            b_dq += dq_s
-            if WITH_DV:
-                P = _scores_slow(b_q, b_k, gp, t0, n_valid, Hkv * K, k0, K, BT, BK)
-        if WITH_DV:
-            P = tl.where(rows[:, None] >= rows[None, :], P * scale, 0.0)
-            b_dv += _mm(tl.trans(P), b_do, DOT_BF16, PREC)
+            dq_s, dk_low = _dqk_slow(dP, b_q, b_kr.to(tl.float32), gp, t0, n_valid, Hkv * K, k0,
+                                     K, BT, BK)
+            b_dq = dq_h * (tl.exp2(G) * scale) + dq_s
+        b_k = b_kr.to(tl.float32)
         dg_acc += b_q * b_dq - b_k * dk_low
         dk_acc += dk_low + d[:, None] * b_q
         _store_rows(dq + hq * K, b_dq + d[:, None] * b_k, t0, n_valid, H * K, k0, K, BT, BK)
 
     # Inter-chunk part of dk (and dv), and <h_n, dh_{n+1}> over the whole V.
-    if fast:
-        e_end = e_k * tl.exp2(G_last)[None, :]             # 2^{G_last - G} without more exps
-    else:
-        G, _ = _gates(gp, t0, n_valid, Hkv * K, k0, K, BT, BK)   # reloaded: keeps G dead above
-        e_end = tl.exp2(G_last[None, :] - G)
+    e_end = tl.exp2(G_last[None, :] - G)                   # exponent <= 0 on both paths
     dk_inter = tl.zeros([BT, BK], dtype=tl.float32)
     hdh = tl.zeros([BK], dtype=tl.float32)
     for i_v in range(NV):
@@ -691,14 +696,15 @@ def _bwd_dqkg_kernel(q, k, v, g, do, hbuf, dhbuf, dq, dk, dg, dv, cu_seqlens, ch
         dk_inter += _mm(b_vt, tl.trans(b_dh1), DOT_BF16, PREC)
         hdh += tl.sum(b_h * b_dh1, axis=1)
         if WITH_DV:
-            b_dv += _mm(b_k * e_end, b_dh1, DOT_BF16, PREC)
-    dk_inter = dk_inter * e_end
-    _store_rows(dk + i_h * K, dk_acc + dk_inter, t0, n_valid, Hkv * K, k0, K, BT, BK)
-    b_dg = (tl.cumsum(dg_acc, axis=0, reverse=True) + _excl_cumsum(b_k * dk_inter, BT)
-            + (tl.exp2(G_last) * hdh)[None, :])
-    _store_rows(dg + i_h * K, b_dg, t0, n_valid, Hkv * K, k0, K, BT, BK)
+            b_dv += _mm(b_kr.to(tl.float32) * e_end, b_dh1, DOT_BF16, PREC)
     if WITH_DV:
         _store_rows(dv + i_h * V, b_dv, t0, n_valid, Hkv * V, 0, V, BT, BV)
+    dk_inter = dk_inter * e_end
+    _store_rows(dk + i_h * K, dk_acc + dk_inter, t0, n_valid, Hkv * K, k0, K, BT, BK)
+    b_dg = (tl.cumsum(dg_acc, axis=0, reverse=True)
+            + _excl_cumsum(b_kr.to(tl.float32) * dk_inter, BT)
+            + (tl.exp2(G_last) * hdh)[None, :])
+    _store_rows(dg + i_h * K, b_dg, t0, n_valid, Hkv * K, k0, K, BT, BK)
 
 
 @triton.jit
@@ -931,8 +937,8 @@ def _num_sms(device) -> int:
 
 class _Config:
     """Launch parameters, one set per kernel family:
-      *_seq  sequential state passes: 64-wide tiles, V tile narrowed until there are enough
-             programs to fill the GPU (they walk all chunks of a sequence);
+      *_seq  sequential state passes: 64x64 tiles; when (sequences x KV heads x tiles)
+             walks would leave SMs idle, each sequence is cut into segments (seg_*);
       *_o    output and dv kernels: the whole K (<= 128) in one tile, so the k-side work is
              shared by the query heads of a group;
       *_g    dq/dk/dg kernel: K tiles of 32, or 64 for bf16 with K > 64 (it keeps ~10 [C, BK]
@@ -966,16 +972,17 @@ class _Config:
         # sequences are cut into segments of seg_len chunks walked in parallel, then chained
         # (see _seg_combine_kernel). None: chosen per call from the chunk counts; 0: never.
         self.seg_len = None
-        self.seg_programs = 2 * _num_sms(device)     # aim: 2 programs per SM
+        # aim: 4 walks per SM (H200, 1x16384: 2 per SM 1.35 ms f+b at D64, 4 per SM 1.27)
+        self.seg_programs = 4 * _num_sms(device)
         self.seg_min = 4                             # chunks: shorter walks cost more fix-up
+        self.seg_max_walks = _num_sms(device)        # segment only below this many walks
         self.dot_bf16 = dtype == torch.bfloat16
         # fp32 inputs get exact fp32 products; fp16 inputs tf32 (10-bit mantissa, like fp16).
         self.prec = "ieee" if dtype == torch.float32 else "tf32"
-        # [64, 64] fp32 tiles are 32 registers a thread at 4 warps: most kernels keep 6-12 of
-        # them alive, so 8 warps unless the tiles are small (ptxas spill counts for sm_90).
-        # The sequential passes are latency chains: 4 warps measured faster than 8 on the H200
-        # at every benchmark shape (8x2048 H32 D64: 0.42 -> 0.33 ms forward).
-        # (fp32 operands, used for fp16/fp32 inputs, spill heavily at 4 warps: 8 there.)
+        # [64, 64] fp32 tiles are 32 registers a thread at 4 warps and most kernels keep 6-12
+        # of them alive, yet the sequential passes (latency chains) measured faster at 4 warps
+        # than 8 at every benchmark shape on the H200 (8x2048 H32 D64: 0.42 -> 0.33 ms
+        # forward). fp32 operands (fp16/fp32 inputs) spill heavily at 4 warps: 8 there.
         self.warps_seq = 4 if dtype == torch.bfloat16 else 8
         self.stages_seq = 2
         # bf16 output kernels: 4 warps measured faster on the H200 at D = 64 and 128.
@@ -986,6 +993,7 @@ class _Config:
         # at K = 128 8 warps stay ahead (2.15 vs 2.25 ms).
         wide_tiles = self.BT * max(self.BK_g, self.BV_g) >= 64 * 64
         self.warps_g = 8 if wide_tiles and not (self.dot_bf16 and K <= 64 and V <= 64) else 4
+        self.warps_dv = self.warps_o
         self.stages_chunk = 1
         self.state_dtype = torch.bfloat16 if dtype == torch.bfloat16 else torch.float32
         for name, value in OVERRIDES.items():
@@ -999,13 +1007,13 @@ class _Config:
     def plan_segments(self, n_chunks, Hkv, varlen, device) -> _Segments:
         """Segments for the sequential passes, given the chunk count of every sequence.
         1x16384 H32 D64: 32 walks of 256 chunks (0.72 ms forward pass measured) become
-        288 walks of 29 chunks."""
+        512 walks of 16 chunks."""
         seg_len = self.seg_len
         if seg_len is None:
             seg_len = 0
             nt_max = max(n_chunks, default=0)
             walks = len(n_chunks) * Hkv * self.NK_seq * self.NV_seq
-            if walks < _num_sms(device) and nt_max > 2 * self.seg_min:
+            if walks <= self.seg_max_walks and nt_max > 2 * self.seg_min:
                 per_seq = triton.cdiv(self.seg_programs, walks)
                 seg_len = max(self.seg_min, triton.cdiv(nt_max, per_seq))
                 if seg_len >= nt_max:
@@ -1108,7 +1116,7 @@ def _backward(q, k, v, g, scale, hbuf, meta, do, dht, want_dh0):
         _bwd_dv_kernel[(cfg.NV_o, total, Hkv)](
             q, k, g, do, dhbuf, dv, cu, offsets, indices, T, scale,
             H=H, Hkv=Hkv, K=K, V=V, BT=cfg.BT, BK=cfg.BK_o, BV=cfg.BV_o, NK=cfg.NK_o, R=R,
-            **common, num_warps=cfg.warps_o, num_stages=cfg.stages_chunk)
+            **common, num_warps=cfg.warps_dv, num_stages=cfg.stages_chunk)
     return dq, dk, dv, dg, dh0
 
 

@@ -250,9 +250,11 @@ def test_segment_plan():
         return cfg.plan_segments(chunks, Hkv, seqs is not None, torch.device("cpu"))
     assert not plan(8, 2048, 32, 64).on                  # 256 walks already
     long = plan(1, 16384, 32, 64)                        # 32 walks of 256 chunks
-    assert long.on and long.seg_len == 29 and long.n_seg == 9 and long.total == 9
-    assert plan(1, 16384, 16, 128).total * 16 * 4 >= 2 * 132
+    assert long.on and long.seg_len == 16 and long.n_seg == 16 and long.total == 16
+    assert plan(1, 16384, 16, 128).total * 16 * 4 >= 4 * 132
     assert not plan(1, 300, 4, 64).on                    # too few chunks to cut
+    few_heads = plan(1, 16384, 3, 64)                    # 3 walks: 64 segments of 4 chunks
+    assert few_heads.seg_len == 4 and few_heads.n_seg == 64
     docs = plan(1, 16384, 8, 64, seqs=[16000, 100, 284])
     assert docs.on and docs.indices.shape == (docs.total, 2)
     assert docs.offsets.tolist()[-1] == docs.total
