@@ -66,7 +66,9 @@ def shapes(quick: bool):
     if DRY_RUN:                   # tiny shapes to exercise this script on CPU
         return [dict(name="1x100 H2 D16", B=1, T=100, H=2, Hkv=2, K=16, V=16, seqs=None),
                 dict(name="1x100 H4/kv2 K16 V17 varlen", B=1, T=100, H=4, Hkv=2, K=16, V=17,
-                     seqs=[60, 1, 39])]
+                     seqs=[60, 1, 39]),
+                dict(name="1x100 H4/kv2 D16 +norm", B=1, T=100, H=4, Hkv=2, K=16, V=16,
+                     seqs=None, norm=True)]
     out = []
     bts = [(8, 2048), (1, 16384)] if quick else [(8, 2048), (4, 4096), (2, 8192), (1, 16384)]
     for H, D in [(32, 64), (16, 128)]:
@@ -81,6 +83,11 @@ def shapes(quick: bool):
     out.append(dict(name="1x16384 H32 D64 varlen8", B=1, T=16384, H=32, Hkv=32, K=64, V=64,
                     seqs=docs))
     out.append(dict(name="8x2048 H32 K64 V65", B=8, T=2048, H=32, Hkv=32, K=64, V=65, seqs=None))
+    # the normaliser computed in the kernels instead of a 65th column of ones (same output)
+    out.append(dict(name="8x2048 H32 D64 +norm", B=8, T=2048, H=32, Hkv=32, K=64, V=64,
+                    seqs=None, norm=True))
+    out.append(dict(name="1x16384 H32/kv8 D64 +norm", B=1, T=16384, H=32, Hkv=8, K=64, V=64,
+                    seqs=None, norm=True))
     return out
 
 
@@ -91,7 +98,7 @@ def floor_bytes(s, backward: bool) -> int:
     q = n * s["H"] * s["K"]
     k = g = n * s["Hkv"] * s["K"]
     v = n * s["Hkv"] * s["V"]
-    o = n * s["H"] * s["V"]
+    o = n * s["H"] * (s["V"] + s.get("norm", False))
     fwd = q + k + v + g + o
     bwd = (q + k + v + g + o) + (q + k + v + g)
     return 2 * (fwd + (bwd if backward else 0))
@@ -107,7 +114,7 @@ def make_inputs(s, n_sets, device, dtype=torch.bfloat16, seed=0):
         k = torch.randn(B, T, Hkv, K, device=device, generator=gen).to(dtype)
         v = torch.randn(B, T, Hkv, V, device=device, generator=gen).to(dtype)
         g = (F.logsigmoid(torch.randn(B, T, Hkv, K, device=device, generator=gen)) / 16).to(dtype)
-        do = torch.randn(B, T, H, V, device=device, generator=gen).to(dtype)
+        do = torch.randn(B, T, H, V + s.get("norm", False), device=device, generator=gen).to(dtype)
         sets.append((q, k, v, g, do))
     cu = None
     if s["seqs"] is not None:
@@ -133,8 +140,12 @@ def check(s, gla_torch, gla_triton, device, tol=2e-2):
     (q, k, v, g, do), = sets
     xs = [x.clone().requires_grad_() for x in (q, k, v, g)]
     rs = [x.float().requires_grad_() for x in (q, k, v, g)]
-    o, _ = gla_triton.fused_chunk_gla(*xs, cu_seqlens=cu)
-    o_r, _ = gla_torch.chunk_gla_torch(*rs, cu_seqlens=cu)
+    norm = s.get("norm", False)
+    o, _ = gla_triton.fused_chunk_gla(*xs, cu_seqlens=cu, normalizer=norm)
+    q_r, k_r, v_r, g_r = rs
+    if norm:                                  # the reference: a real column of ones
+        v_r = torch.cat([v_r, torch.ones_like(v_r[..., :1])], dim=-1)
+    o_r, _ = gla_torch.chunk_gla_torch(q_r, k_r, v_r, g_r, cu_seqlens=cu)
     grads = torch.autograd.grad(o, xs, do)
     grads_r = torch.autograd.grad(o_r, rs, do.float())
     errs = {"o": rel(o, o_r)}
@@ -170,6 +181,7 @@ def _rotating(sets):
 
 
 def time_glaswap(s, gla_triton, device, quick):
+    norm = s.get("norm", False)
     sets, cu = make_inputs(s, 3, device)
     grad_sets = [tuple(x.clone().requires_grad_() for x in st[:4]) + (st[4],) for st in sets]
     nxt_f, nxt_b = _rotating(sets), _rotating(grad_sets)
@@ -177,11 +189,11 @@ def time_glaswap(s, gla_triton, device, quick):
     def fwd():
         q, k, v, g, _ = nxt_f()
         with torch.no_grad():
-            gla_triton.fused_chunk_gla(q, k, v, g, cu_seqlens=cu)
+            gla_triton.fused_chunk_gla(q, k, v, g, cu_seqlens=cu, normalizer=norm)
 
     def fwd_bwd():
         q, k, v, g, do = nxt_b()
-        o, _ = gla_triton.fused_chunk_gla(q, k, v, g, cu_seqlens=cu)
+        o, _ = gla_triton.fused_chunk_gla(q, k, v, g, cu_seqlens=cu, normalizer=norm)
         torch.autograd.grad(o, (q, k, v, g), do)
 
     return bench(fwd, quick), bench(fwd_bwd, quick)
@@ -191,7 +203,7 @@ def time_sdpa(s, device, quick):
     """Causal flash attention on [B, H, T, D]; None where it does not apply."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
     backend = SDPBackend.MATH if DRY_RUN else SDPBackend.FLASH_ATTENTION
-    if s["seqs"] is not None or s["K"] != s["V"]:
+    if s["seqs"] is not None or s["K"] != s["V"] or s.get("norm"):
         return None, None             # packed documents / V != K: no like-for-like SDPA call
     B, T, H, Hkv, D = s["B"], s["T"], s["H"], s["Hkv"], s["K"]
     gen = torch.Generator(device=device).manual_seed(0)
@@ -261,7 +273,8 @@ def fla_worker(spec, quick):
     results = {}
     for s in shapes(quick):
         key = s["name"]
-        if s["Hkv"] != s["H"] or (s["seqs"] is not None and (head_first or "cu_seqlens" not in params)):
+        if (s["Hkv"] != s["H"] or s.get("norm")
+                or (s["seqs"] is not None and (head_first or "cu_seqlens" not in params))):
             results[key] = None
             continue
         try:
@@ -324,13 +337,15 @@ def run_fla(fla_dir, quick):
 # ----------------------------------------------------------------------------------------
 
 PTXAS_CASES = [
-    # (dtype, B, T, H, Hkv, K, V, documents)
+    # (dtype, B, T, H, Hkv, K, V, documents[, in-kernel normaliser])
     ("bf16", 2, 2048, 32, 32, 64, 64, None),
     ("bf16", 2, 2048, 16, 16, 128, 128, None),
     ("bf16", 2, 2048, 32, 8, 64, 64, None),
     ("bf16", 1, 4096, 32, 32, 64, 65, [1000, 3000, 96]),
     ("fp16", 1, 1024, 8, 4, 80, 48, None),
     ("fp32", 1, 1024, 8, 8, 256, 257, None),
+    ("bf16", 1, 4096, 32, 8, 64, 64, [1000, 3000, 96], True),
+    ("bf16", 2, 2048, 16, 16, 128, 128, None, True),
 ]
 
 
@@ -370,7 +385,9 @@ def ptxas_report(cases=PTXAS_CASES, arch=90, out=sys.stdout):
     saved_interp = gla_triton._interpreting
     gla_triton._interpreting = lambda: True          # accept CPU tensors: nothing launches
     try:
-        for dt, B, T, H, Hkv, K, V, docs in cases:
+        for case in cases:
+            dt, B, T, H, Hkv, K, V, docs = case[:8]
+            norm = bool(case[8]) if len(case) > 8 else False
             dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[dt]
             N = B if docs is None else len(docs)
             q = torch.zeros(B, T, H, K, dtype=dtype)
@@ -380,10 +397,11 @@ def ptxas_report(cases=PTXAS_CASES, arch=90, out=sys.stdout):
             if docs is not None:
                 cu = torch.tensor([0] + [sum(docs[:i + 1]) for i in range(len(docs))],
                                   dtype=torch.int32)
-            h0 = torch.zeros(N, Hkv, K, V)
-            o, ht, hbuf, meta = gla_triton._forward(q, k, v, k, K ** -0.5, h0, True, cu, None, None, None)
+            h0 = torch.zeros(N, Hkv, K, V + norm)
+            o, ht, hbuf, meta = gla_triton._forward(q, k, v, k, K ** -0.5, h0, True, cu, None,
+                                                    None, None, norm)
             gla_triton._backward(q, k, v, k, K ** -0.5, hbuf, meta, o, ht, True)
-            if docs is None:
+            if docs is None and not norm:
                 gla_triton.fused_recurrent_gla(q[:, :1], k[:, :1], v[:, :1], k[:, :1],
                                                initial_state=h0, output_final_state=True)
     finally:
@@ -438,7 +456,7 @@ def ptxas_report(cases=PTXAS_CASES, arch=90, out=sys.stdout):
             spills = int(m.group(1)) if m else None
         shown = {k: v for k, v in constexprs.items()
                  if k in ("K", "V", "BT", "BK", "BV", "R", "NK", "NV", "WITH_DV", "IS_VARLEN",
-                          "DOT_BF16")}
+                          "DOT_BF16", "NORM", "SEGMENTED")}
         row = dict(kernel=fn.__name__, grid=str(grid), regs=regs, spill_bytes=spills,
                    smem=compiled.metadata.shared, **options, **shown)
         rows.append(row)

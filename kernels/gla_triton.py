@@ -145,20 +145,52 @@ def _store_rows(ptr, x, t0, n_valid, stride_t, c0, n_cols, BT: tl.constexpr, BC:
 
 
 @triton.jit
-def _load_state(ptr, k0, v0, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr):
-    """[BK, BV] tile of a row-major K x V state at ptr, as fp32."""
+def _load_state(ptr, k0, v0, K: tl.constexpr, V: tl.constexpr, VS: tl.constexpr,
+                BK: tl.constexpr, BV: tl.constexpr):
+    """[BK, BV] tile of the first V columns of a row-major K x VS state at ptr, as fp32
+    (VS = V + 1 with the in-kernel normaliser: column V holds its state)."""
     rk = k0 + tl.arange(0, BK)
     rv = v0 + tl.arange(0, BV)
     mask = (rk < K)[:, None] & (rv < V)[None, :]
-    return tl.load(ptr + rk[:, None] * V + rv[None, :], mask=mask, other=0.0).to(tl.float32)
+    return tl.load(ptr + rk[:, None] * VS + rv[None, :], mask=mask, other=0.0).to(tl.float32)
 
 
 @triton.jit
-def _store_state(ptr, x, k0, v0, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr):
+def _store_state(ptr, x, k0, v0, K: tl.constexpr, V: tl.constexpr, VS: tl.constexpr,
+                 BK: tl.constexpr, BV: tl.constexpr):
     rk = k0 + tl.arange(0, BK)
     rv = v0 + tl.arange(0, BV)
     mask = (rk < K)[:, None] & (rv < V)[None, :]
-    tl.store(ptr + rk[:, None] * V + rv[None, :], x.to(ptr.dtype.element_ty), mask=mask)
+    tl.store(ptr + rk[:, None] * VS + rv[None, :], x.to(ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _load_col(ptr, k0, K: tl.constexpr, V: tl.constexpr, VS: tl.constexpr, BK: tl.constexpr):
+    """Column V (the normaliser's) of a K x VS state, rows k0.., as fp32 [BK]."""
+    rk = k0 + tl.arange(0, BK)
+    return tl.load(ptr + rk * VS + V, mask=rk < K, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _store_col(ptr, x, k0, K: tl.constexpr, V: tl.constexpr, VS: tl.constexpr, BK: tl.constexpr):
+    rk = k0 + tl.arange(0, BK)
+    tl.store(ptr + rk * VS + V, x.to(ptr.dtype.element_ty), mask=rk < K)
+
+
+@triton.jit
+def _store_den(ptr, x, t0, n_valid, stride_t, V: tl.constexpr, BT: tl.constexpr):
+    """Writes [BT] into column V of a [tokens, .., V + 1] tensor (o: the normaliser)."""
+    rows = tl.arange(0, BT)
+    tl.store(ptr + t0 * stride_t + rows * stride_t + V, x.to(ptr.dtype.element_ty),
+             mask=rows < n_valid)
+
+
+@triton.jit
+def _load_den_grad(ptr, t0, n_valid, stride_t, V: tl.constexpr, BT: tl.constexpr):
+    """[BT] column V of a [tokens, .., V + 1] tensor (do: the gradient of the normaliser)."""
+    rows = tl.arange(0, BT)
+    return tl.load(ptr + t0 * stride_t + rows * stride_t + V, mask=rows < n_valid,
+                   other=0.0).to(tl.float32)
 
 
 @triton.jit
@@ -268,7 +300,8 @@ def _store_dec(dec, slot, i_h, x, k0, Hkv: tl.constexpr, K: tl.constexpr, BK: tl
 @triton.jit
 def _fwd_state_kernel(k, v, g, h0, ht, hbuf, dec, segend, cu_seqlens, chunk_offsets, seg_indices,
                       T, seg_len, n_seg,
-                      Hkv: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
+                      Hkv: tl.constexpr, K: tl.constexpr, V: tl.constexpr, VS: tl.constexpr, VO: tl.constexpr,
+                      NORM: tl.constexpr, BT: tl.constexpr,
                       BK: tl.constexpr, BV: tl.constexpr, USE_H0: tl.constexpr,
                       STORE_HT: tl.constexpr, IS_VARLEN: tl.constexpr, SEGMENTED: tl.constexpr,
                       DOT_BF16: tl.constexpr, PREC: tl.constexpr):
@@ -298,7 +331,14 @@ def _fwd_state_kernel(k, v, g, h0, ht, hbuf, dec, segend, cu_seqlens, chunk_offs
     b_h = tl.zeros([BK, BV], dtype=tl.float32)
     if USE_H0:
         if i_s == 0:
-            b_h += _load_state(h0 + i_nh.to(tl.int64) * K * V, k0, v0, K, V, BK, BV)
+            b_h += _load_state(h0 + i_nh.to(tl.int64) * K * VS, k0, v0, K, V, VS, BK, BV)
+    # NORM: the normaliser's state z (column V: v's implicit column of ones), carried by
+    # the V-tile-0 programs; z_next = 2^{G_last} z + sum_j k_j 2^{G_last - G_j}
+    b_z = tl.zeros([BK], dtype=tl.float32)
+    if NORM:
+        if USE_H0:
+            if i_s == 0:
+                b_z += _load_col(h0 + i_nh.to(tl.int64) * K * VS, k0, K, V, VS, BK)
     b_d = tl.zeros([BK], dtype=tl.float32)                 # log2 decay since t_first
     kp = k + i_h * K
     gp = g + i_h * K
@@ -319,7 +359,10 @@ def _fwd_state_kernel(k, v, g, h0, ht, hbuf, dec, segend, cu_seqlens, chunk_offs
 
         slot = c0 + i_n + i_t
         if (i_t > t_first) | (i_s == 0):
-            _store_state(hbuf + (slot * Hkv + i_h) * K * V, b_h, k0, v0, K, V, BK, BV)
+            _store_state(hbuf + (slot * Hkv + i_h) * K * VS, b_h, k0, v0, K, V, VS, BK, BV)
+            if NORM:
+                if i_v == 0:
+                    _store_col(hbuf + (slot * Hkv + i_h) * K * VS, b_z, k0, K, V, VS, BK)
         G, G_last = _cum_gates(b_g)
         if SEGMENTED:
             if (i_v == 0) & (i_t > t_first):
@@ -328,15 +371,25 @@ def _fwd_state_kernel(k, v, g, h0, ht, hbuf, dec, segend, cu_seqlens, chunk_offs
         # k decayed to the chunk end: exponent G_last - G <= 0.
         k_end = b_k * tl.exp2(G_last[None, :] - G)
         b_h = b_h * tl.exp2(G_last)[:, None] + _mm(tl.trans(k_end), b_v, DOT_BF16, PREC)
+        if NORM:
+            b_z = b_z * tl.exp2(G_last) + tl.sum(k_end, axis=0)
     if SEGMENTED:
-        _store_state(segend + (i_sg * Hkv + i_h).to(tl.int64) * K * V, b_h, k0, v0, K, V, BK, BV)
+        sp = segend + (i_sg * Hkv + i_h).to(tl.int64) * K * VS
+        _store_state(sp, b_h, k0, v0, K, V, VS, BK, BV)
         if i_v == 0:
             _store_dec(dec, c0 + i_n + t_end, i_h, b_d, k0, Hkv, K, BK)
+            if NORM:
+                _store_col(sp, b_z, k0, K, V, VS, BK)
     else:
-        hp = hbuf + ((c0 + i_n + NT) * Hkv + i_h) * K * V
-        _store_state(hp, b_h, k0, v0, K, V, BK, BV)
+        hp = hbuf + ((c0 + i_n + NT) * Hkv + i_h) * K * VS
+        _store_state(hp, b_h, k0, v0, K, V, VS, BK, BV)
         if STORE_HT:
-            _store_state(ht + i_nh.to(tl.int64) * K * V, b_h, k0, v0, K, V, BK, BV)
+            _store_state(ht + i_nh.to(tl.int64) * K * VS, b_h, k0, v0, K, V, VS, BK, BV)
+        if NORM:
+            if i_v == 0:
+                _store_col(hp, b_z, k0, K, V, VS, BK)
+                if STORE_HT:
+                    _store_col(ht + i_nh.to(tl.int64) * K * VS, b_z, k0, K, V, VS, BK)
 
 
 @triton.jit
@@ -371,27 +424,27 @@ def _seg_combine_kernel(buf, dec, segend, hfinal, cu_seqlens, chunk_offsets, seg
     base = c0 + i_n
     if REVERSE:
         b_h = _load_state(segend + ((s0 + S - 1) * Hkv + i_h).to(tl.int64) * K * V,
-                          k0, v0, K, V, BK, BV)
+                          k0, v0, K, V, V, BK, BV)
         slot = base + (S - 1) * seg_len
-        _store_state(buf + (slot * Hkv + i_h) * K * V, b_h, k0, v0, K, V, BK, BV)
+        _store_state(buf + (slot * Hkv + i_h) * K * V, b_h, k0, v0, K, V, V, BK, BV)
         for i in range(1, S):
             slot = base + (S - 1 - i) * seg_len
             a = tl.exp2(tl.load(dec + (slot * Hkv + i_h) * K + rk, mask=mk, other=0.0))
             b_h = a[:, None] * b_h + _load_state(
-                segend + ((s0 + S - 1 - i) * Hkv + i_h).to(tl.int64) * K * V, k0, v0, K, V, BK, BV)
-            _store_state(buf + (slot * Hkv + i_h) * K * V, b_h, k0, v0, K, V, BK, BV)
+                segend + ((s0 + S - 1 - i) * Hkv + i_h).to(tl.int64) * K * V, k0, v0, K, V, V, BK, BV)
+            _store_state(buf + (slot * Hkv + i_h) * K * V, b_h, k0, v0, K, V, V, BK, BV)
     else:
-        b_h = _load_state(segend + (s0 * Hkv + i_h).to(tl.int64) * K * V, k0, v0, K, V, BK, BV)
+        b_h = _load_state(segend + (s0 * Hkv + i_h).to(tl.int64) * K * V, k0, v0, K, V, V, BK, BV)
         slot = base + tl.minimum(NT, seg_len)
-        _store_state(buf + (slot * Hkv + i_h) * K * V, b_h, k0, v0, K, V, BK, BV)
+        _store_state(buf + (slot * Hkv + i_h) * K * V, b_h, k0, v0, K, V, V, BK, BV)
         for s in range(1, S):
             slot = base + tl.minimum(NT, (s + 1) * seg_len)
             a = tl.exp2(tl.load(dec + (slot * Hkv + i_h) * K + rk, mask=mk, other=0.0))
             b_h = a[:, None] * b_h + _load_state(
-                segend + ((s0 + s) * Hkv + i_h).to(tl.int64) * K * V, k0, v0, K, V, BK, BV)
-            _store_state(buf + (slot * Hkv + i_h) * K * V, b_h, k0, v0, K, V, BK, BV)
+                segend + ((s0 + s) * Hkv + i_h).to(tl.int64) * K * V, k0, v0, K, V, V, BK, BV)
+            _store_state(buf + (slot * Hkv + i_h) * K * V, b_h, k0, v0, K, V, V, BK, BV)
     if STORE_FINAL:
-        _store_state(hfinal + i_nh.to(tl.int64) * K * V, b_h, k0, v0, K, V, BK, BV)
+        _store_state(hfinal + i_nh.to(tl.int64) * K * V, b_h, k0, v0, K, V, V, BK, BV)
 
 
 @triton.jit
@@ -424,27 +477,30 @@ def _seg_fixup_kernel(buf, dec, cu_seqlens, chunk_offsets, chunk_indices, T, seg
             rk = i_k * BK + tl.arange(0, BK)
             a = tl.exp2(tl.load(dec + (slot * Hkv + i_h) * K + rk, mask=rk < K, other=0.0))
             for i_v in range(NV):
-                x = (_load_state(buf + (slot * Hkv + i_h) * K * V, i_k * BK, i_v * BV, K, V, BK, BV)
+                x = (_load_state(buf + (slot * Hkv + i_h) * K * V, i_k * BK, i_v * BV, K, V, V, BK, BV)
                      + a[:, None] * _load_state(buf + (aslot * Hkv + i_h) * K * V,
-                                                i_k * BK, i_v * BV, K, V, BK, BV))
-                _store_state(buf + (slot * Hkv + i_h) * K * V, x, i_k * BK, i_v * BV, K, V, BK, BV)
+                                                i_k * BK, i_v * BV, K, V, V, BK, BV))
+                _store_state(buf + (slot * Hkv + i_h) * K * V, x, i_k * BK, i_v * BV, K, V, V, BK, BV)
 
 
 @triton.jit
 def _fwd_output_kernel(q, k, v, g, o, hbuf, cu_seqlens, chunk_offsets, chunk_indices, T, scale,
-                       H: tl.constexpr, Hkv: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+                       H: tl.constexpr, Hkv: tl.constexpr, K: tl.constexpr, V: tl.constexpr, VS: tl.constexpr, VO: tl.constexpr,
+                      NORM: tl.constexpr,
                        BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
                        NK: tl.constexpr, NV: tl.constexpr, R: tl.constexpr,
                        IS_VARLEN: tl.constexpr, DOT_BF16: tl.constexpr, PREC: tl.constexpr):
     """o for one chunk and every query head of one KV group. When K fits one tile the k-side
-    work (loads, 2^G, k 2^-G) is done once for the group; otherwise it is redone per head."""
+    work (loads, 2^G, k 2^-G) is done once for the group; otherwise it is redone per head.
+    NORM: column V of o gets the normaliser s * (rowsum(mask(P)) + (q 2^G) z), what a column
+    of ones in v would give."""
     i_c = tl.program_id(0)
     i_h = tl.program_id(1)
     i_n, i_t = _chunk_coords(i_c, chunk_indices, T, BT, IS_VARLEN)
     bos, eos, c0 = _seq_bounds(i_n, cu_seqlens, chunk_offsets, T, BT, IS_VARLEN)
     t0 = bos + i_t * BT
     n_valid = eos - t0
-    hp = hbuf + ((c0 + i_n + i_t) * Hkv + i_h) * K * V
+    hp = hbuf + ((c0 + i_n + i_t) * Hkv + i_h) * K * VS
     rows = tl.arange(0, BT)
     causal = rows[:, None] >= rows[None, :]
     kp = k + i_h * K
@@ -470,34 +526,45 @@ def _fwd_output_kernel(q, k, v, g, o, hbuf, cu_seqlens, chunk_offsets, chunk_ind
             else:
                 P = _scores_slow(b_q, b_k, gp, t0, n_valid, Hkv * K, 0, K, BT, BK)
             P = tl.where(causal, P, 0.0)
+            if NORM:
+                z = _load_col(hp, 0, K, V, VS, BK)
+                den = tl.sum(P, axis=1) + tl.sum(b_q * e_q * z[None, :], axis=1)
+                _store_den(o + hq * VO, den * scale, t0, n_valid, H * VO, V, BT)
             for i_v in range(NV):
                 b_v = _load_rows(vp, t0, n_valid, Hkv * V, i_v * BV, V, BT, BV)
-                b_hs = _load_state(hp, 0, i_v * BV, K, V, BK, BV)
+                b_hs = _load_state(hp, 0, i_v * BV, K, V, VS, BK, BV)
                 acc = _mm(P, b_v, DOT_BF16, PREC) + _mm(q_e, b_hs, DOT_BF16, PREC)
-                _store_rows(o + hq * V, acc * scale, t0, n_valid, H * V, i_v * BV, V, BT, BV)
+                _store_rows(o + hq * VO, acc * scale, t0, n_valid, H * VO, i_v * BV, V, BT, BV)
     else:
         for r in range(R):
             hq = i_h * R + r
             qp = q + hq * K
             P = tl.zeros([BT, BT], dtype=tl.float32)
+            den = tl.zeros([BT], dtype=tl.float32)
             for i_k in range(NK):
                 b_q = _load_rows(qp, t0, n_valid, H * K, i_k * BK, K, BT, BK).to(tl.float32)
                 b_k = _load_rows(kp, t0, n_valid, Hkv * K, i_k * BK, K, BT, BK).to(tl.float32)
                 G, G_last = _gates(gp, t0, n_valid, Hkv * K, i_k * BK, K, BT, BK)
+                if NORM:
+                    z = _load_col(hp, i_k * BK, K, V, VS, BK)
+                    den += tl.sum(b_q * tl.exp2(G) * z[None, :], axis=1)
                 if tl.max(-G_last, axis=0) < _SAFE:
                     P += _mm(b_q * tl.exp2(G), tl.trans(b_k * tl.exp2(-G)), DOT_BF16, PREC)
                 else:
                     P += _scores_slow(b_q, b_k, gp, t0, n_valid, Hkv * K, i_k * BK, K, BT, BK)
             P = tl.where(causal, P, 0.0)
+            if NORM:
+                _store_den(o + hq * VO, (den + tl.sum(P, axis=1)) * scale, t0, n_valid, H * VO,
+                           V, BT)
             for i_v in range(NV):
                 b_v = _load_rows(vp, t0, n_valid, Hkv * V, i_v * BV, V, BT, BV)
                 acc = _mm(P, b_v, DOT_BF16, PREC)
                 for i_k in range(NK):
                     b_q = _load_rows(qp, t0, n_valid, H * K, i_k * BK, K, BT, BK).to(tl.float32)
                     G, _ = _gates(gp, t0, n_valid, Hkv * K, i_k * BK, K, BT, BK)
-                    b_hs = _load_state(hp, i_k * BK, i_v * BV, K, V, BK, BV)
+                    b_hs = _load_state(hp, i_k * BK, i_v * BV, K, V, VS, BK, BV)
                     acc += _mm(b_q * tl.exp2(G), b_hs, DOT_BF16, PREC)
-                _store_rows(o + hq * V, acc * scale, t0, n_valid, H * V, i_v * BV, V, BT, BV)
+                _store_rows(o + hq * VO, acc * scale, t0, n_valid, H * VO, i_v * BV, V, BT, BV)
 
 
 # ----------------------------------------------------------------------------------------
@@ -507,7 +574,8 @@ def _fwd_output_kernel(q, k, v, g, o, hbuf, cu_seqlens, chunk_offsets, chunk_ind
 @triton.jit
 def _bwd_dh_kernel(q, g, do, dht, dh0, dhbuf, dec, segend, cu_seqlens, chunk_offsets, seg_indices,
                    T, seg_len, n_seg, scale,
-                   H: tl.constexpr, Hkv: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+                   H: tl.constexpr, Hkv: tl.constexpr, K: tl.constexpr, V: tl.constexpr, VS: tl.constexpr, VO: tl.constexpr,
+                      NORM: tl.constexpr,
                    BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, R: tl.constexpr,
                    USE_DHT: tl.constexpr, STORE_DH0: tl.constexpr, IS_VARLEN: tl.constexpr,
                    SEGMENTED: tl.constexpr, DOT_BF16: tl.constexpr, PREC: tl.constexpr):
@@ -517,7 +585,9 @@ def _bwd_dh_kernel(q, g, do, dht, dh0, dhbuf, dec, segend, cu_seqlens, chunk_off
     end, writes its inside slots, dec[slot] = log2 decay from each slot to its end, and its
     local first-slot value into segend (see _seg_combine_kernel, _seg_fixup_kernel).
     As in the forward pass, the loads run one step ahead: g one chunk ahead, (q, do) one
-    (chunk, head) pair ahead."""
+    (chunk, head) pair ahead.
+    NORM: the V-tile-0 programs also carry dz (the normaliser's column), fed by column V
+    of do: dz_i = 2^{G_last} dz_{i+1} + s * sum_heads (q 2^G)^T do[:, V]."""
     i_k = tl.program_id(0)
     i_v = tl.program_id(1)
     i_sh = tl.program_id(2)
@@ -533,20 +603,28 @@ def _bwd_dh_kernel(q, g, do, dht, dh0, dhbuf, dec, segend, cu_seqlens, chunk_off
     b_dh = tl.zeros([BK, BV], dtype=tl.float32)
     if USE_DHT:
         if last:
-            b_dh += _load_state(dht + i_nh.to(tl.int64) * K * V, k0, v0, K, V, BK, BV)
+            b_dh += _load_state(dht + i_nh.to(tl.int64) * K * VS, k0, v0, K, V, VS, BK, BV)
+    b_dz = tl.zeros([BK], dtype=tl.float32)
+    if NORM:
+        if USE_DHT:
+            if last:
+                b_dz += _load_col(dht + i_nh.to(tl.int64) * K * VS, k0, K, V, VS, BK)
     if last:
-        hp = dhbuf + ((c0 + i_n + NT) * Hkv + i_h) * K * V
-        _store_state(hp, b_dh, k0, v0, K, V, BK, BV)
+        hp = dhbuf + ((c0 + i_n + NT) * Hkv + i_h) * K * VS
+        _store_state(hp, b_dh, k0, v0, K, V, VS, BK, BV)
+        if NORM:
+            if i_v == 0:
+                _store_col(hp, b_dz, k0, K, V, VS, BK)
     b_d = tl.zeros([BK], dtype=tl.float32)                 # log2 decay down to t_end
     gp = g + i_h * K
     qp = q + i_h * R * K
-    dop = do + i_h * R * V
+    dop = do + i_h * R * VO
     # last chunk, first head of the group (all masked when the segment is empty)
     t_last = bos + (t_end - 1) * BT
     n_last = tl.where(t_end > t_first, eos - t_last, 0)
     n_g = _load_rows(gp, t_last, n_last, Hkv * K, k0, K, BT, BK)
     n_q = _load_rows(qp, t_last, n_last, H * K, k0, K, BT, BK)
-    n_do = _load_rows(dop, t_last, n_last, H * V, v0, V, BT, BV)
+    n_do = _load_rows(dop, t_last, n_last, H * VO, v0, V, BT, BV)
     for i in range(t_end - t_first):
         i_t = t_end - 1 - i
         t0 = bos + i_t * BT
@@ -558,9 +636,13 @@ def _bwd_dh_kernel(q, g, do, dht, dh0, dhbuf, dec, segend, cu_seqlens, chunk_off
         G, G_last = _cum_gates(b_g)
         e_q = tl.exp2(G)
         acc = tl.zeros([BK, BV], dtype=tl.float32)
+        acc_z = tl.zeros([BK], dtype=tl.float32)
         for r in range(R):
             b_q = n_q.to(tl.float32)
             b_do = n_do
+            if NORM:
+                dden = _load_den_grad(dop + r * VO, t0, eos - t0, H * VO, V, BT)
+                acc_z += tl.sum(b_q * e_q * dden[:, None], axis=0)
             # next (chunk, head) pair: the next head here, else the first head one chunk back
             if r + 1 < R:
                 t_n = t0
@@ -571,28 +653,44 @@ def _bwd_dh_kernel(q, g, do, dht, dh0, dhbuf, dec, segend, cu_seqlens, chunk_off
                 n_n = n_prev
                 r_n = 0
             n_q = _load_rows(qp + r_n * K, t_n, n_n, H * K, k0, K, BT, BK)
-            n_do = _load_rows(dop + r_n * V, t_n, n_n, H * V, v0, V, BT, BV)
+            n_do = _load_rows(dop + r_n * VO, t_n, n_n, H * VO, v0, V, BT, BV)
             acc += _mm(tl.trans(b_q * e_q), b_do, DOT_BF16, PREC)
         b_dh = b_dh * tl.exp2(G_last)[:, None] + acc * scale
+        if NORM:
+            b_dz = b_dz * tl.exp2(G_last) + acc_z * scale
         slot = c0 + i_n + i_t
         if SEGMENTED:
             b_d += G_last
             if i_v == 0:
                 _store_dec(dec, slot, i_h, b_d, k0, Hkv, K, BK)
-            if i_t > t_first:
-                _store_state(dhbuf + (slot * Hkv + i_h) * K * V, b_dh, k0, v0, K, V, BK, BV)
+            write = i_t > t_first                # the first slot is the combine kernel's
         else:
-            _store_state(dhbuf + (slot * Hkv + i_h) * K * V, b_dh, k0, v0, K, V, BK, BV)
+            write = i_t >= 0
+        if write:
+            sp = dhbuf + (slot * Hkv + i_h) * K * VS
+            _store_state(sp, b_dh, k0, v0, K, V, VS, BK, BV)
+            if NORM:
+                if i_v == 0:
+                    _store_col(sp, b_dz, k0, K, V, VS, BK)
     if SEGMENTED:
-        _store_state(segend + (i_sg * Hkv + i_h).to(tl.int64) * K * V, b_dh, k0, v0, K, V, BK, BV)
+        fp = segend + (i_sg * Hkv + i_h).to(tl.int64) * K * VS
+        _store_state(fp, b_dh, k0, v0, K, V, VS, BK, BV)
+        if NORM:
+            if i_v == 0:
+                _store_col(fp, b_dz, k0, K, V, VS, BK)
     elif STORE_DH0:
-        _store_state(dh0 + i_nh.to(tl.int64) * K * V, b_dh, k0, v0, K, V, BK, BV)
+        fp = dh0 + i_nh.to(tl.int64) * K * VS
+        _store_state(fp, b_dh, k0, v0, K, V, VS, BK, BV)
+        if NORM:
+            if i_v == 0:
+                _store_col(fp, b_dz, k0, K, V, VS, BK)
 
 
 @triton.jit
 def _bwd_dqkg_kernel(q, k, v, g, do, hbuf, dhbuf, dq, dk, dg, dv, cu_seqlens, chunk_offsets,
                      chunk_indices, T, scale,
-                     H: tl.constexpr, Hkv: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+                     H: tl.constexpr, Hkv: tl.constexpr, K: tl.constexpr, V: tl.constexpr, VS: tl.constexpr, VO: tl.constexpr,
+                      NORM: tl.constexpr,
                      BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, NV: tl.constexpr,
                      R: tl.constexpr, WITH_DV: tl.constexpr, IS_VARLEN: tl.constexpr,
                      DOT_BF16: tl.constexpr, PREC: tl.constexpr):
@@ -616,8 +714,8 @@ def _bwd_dqkg_kernel(q, k, v, g, do, hbuf, dhbuf, dq, dk, dg, dv, cu_seqlens, ch
     t0 = bos + i_t * BT
     n_valid = eos - t0
     k0 = i_k * BK
-    st_n = ((c0 + i_n + i_t) * Hkv + i_h) * K * V          # state at this chunk's start
-    st_next = st_n + Hkv * K * V                              # ... and at the next chunk's
+    st_n = ((c0 + i_n + i_t) * Hkv + i_h) * K * VS          # state at this chunk's start
+    st_next = st_n + Hkv * K * VS                              # ... and at the next chunk's
     rows = tl.arange(0, BT)
     diag = rows[:, None] == rows[None, :]
     strict = rows[:, None] > rows[None, :]
@@ -648,8 +746,8 @@ def _bwd_dqkg_kernel(q, k, v, g, do, hbuf, dhbuf, dq, dk, dg, dv, cu_seqlens, ch
         b_qr = _load_rows(q + hq * K, t0, n_valid, H * K, k0, K, BT, BK)
         q_e = _op(b_qr.to(tl.float32) * tl.exp2(G), DOT_BF16)
         if WITH_DV:
-            b_do = _load_rows(do + hq * V, t0, n_valid, H * V, 0, V, BT, BV)
-            b_h = _load_state(hbuf + st_n, k0, 0, K, V, BK, BV)
+            b_do = _load_rows(do + hq * VO, t0, n_valid, H * VO, 0, V, BT, BV)
+            b_h = _load_state(hbuf + st_n, k0, 0, K, V, VS, BK, BV)
             dP = _mm(b_do, tl.trans(b_v), DOT_BF16, PREC)
             dq_h = _mm(b_do, tl.trans(b_h), DOT_BF16, PREC)
             # dv's intra part first, so that P dies before dq and dk are built
@@ -664,11 +762,16 @@ def _bwd_dqkg_kernel(q, k, v, g, do, hbuf, dhbuf, dq, dk, dg, dv, cu_seqlens, ch
             dP = tl.zeros([BT, BT], dtype=tl.float32)
             dq_h = tl.zeros([BT, BK], dtype=tl.float32)
             for i_v in range(NV):
-                b_do = _load_rows(do + hq * V, t0, n_valid, H * V, i_v * BV, V, BT, BV)
+                b_do = _load_rows(do + hq * VO, t0, n_valid, H * VO, i_v * BV, V, BT, BV)
                 b_vt = _load_rows(vp, t0, n_valid, Hkv * V, i_v * BV, V, BT, BV)
-                b_h = _load_state(hbuf + st_n, k0, i_v * BV, K, V, BK, BV)
+                b_h = _load_state(hbuf + st_n, k0, i_v * BV, K, V, VS, BK, BV)
                 dP += _mm(b_do, tl.trans(b_vt), DOT_BF16, PREC)
                 dq_h += _mm(b_do, tl.trans(b_h), DOT_BF16, PREC)
+        if NORM:
+            # v's implicit column of ones (state column z): dP_ij += dden_i, dq_h += dden z
+            dden = _load_den_grad(do + hq * VO, t0, n_valid, H * VO, V, BT)
+            dP += dden[:, None]
+            dq_h += dden[:, None] * _load_col(hbuf + st_n, k0, K, V, VS, BK)[None, :]
         dP = dP * scale
         d = tl.sum(tl.where(diag, dP, 0.0), axis=1)        # [BT]
         dP = tl.where(strict, dP, 0.0)
@@ -691,12 +794,16 @@ def _bwd_dqkg_kernel(q, k, v, g, do, hbuf, dhbuf, dq, dk, dg, dv, cu_seqlens, ch
     hdh = tl.zeros([BK], dtype=tl.float32)
     for i_v in range(NV):
         b_vt = _load_rows(vp, t0, n_valid, Hkv * V, i_v * BV, V, BT, BV)
-        b_dh1 = _load_state(dhbuf + st_next, k0, i_v * BV, K, V, BK, BV)
-        b_h = _load_state(hbuf + st_n, k0, i_v * BV, K, V, BK, BV)
+        b_dh1 = _load_state(dhbuf + st_next, k0, i_v * BV, K, V, VS, BK, BV)
+        b_h = _load_state(hbuf + st_n, k0, i_v * BV, K, V, VS, BK, BV)
         dk_inter += _mm(b_vt, tl.trans(b_dh1), DOT_BF16, PREC)
         hdh += tl.sum(b_h * b_dh1, axis=1)
         if WITH_DV:
             b_dv += _mm(b_kr.to(tl.float32) * e_end, b_dh1, DOT_BF16, PREC)
+    if NORM:
+        dz1 = _load_col(dhbuf + st_next, k0, K, V, VS, BK)
+        dk_inter += tl.where(rows < n_valid, 1.0, 0.0)[:, None] * dz1[None, :]
+        hdh += _load_col(hbuf + st_n, k0, K, V, VS, BK) * dz1
     if WITH_DV:
         _store_rows(dv + i_h * V, b_dv, t0, n_valid, Hkv * V, 0, V, BT, BV)
     dk_inter = dk_inter * e_end
@@ -709,7 +816,8 @@ def _bwd_dqkg_kernel(q, k, v, g, do, hbuf, dhbuf, dq, dk, dg, dv, cu_seqlens, ch
 
 @triton.jit
 def _bwd_dv_kernel(q, k, g, do, dhbuf, dv, cu_seqlens, chunk_offsets, chunk_indices, T, scale,
-                   H: tl.constexpr, Hkv: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+                   H: tl.constexpr, Hkv: tl.constexpr, K: tl.constexpr, V: tl.constexpr, VS: tl.constexpr, VO: tl.constexpr,
+                      NORM: tl.constexpr,
                    BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, NK: tl.constexpr,
                    R: tl.constexpr, IS_VARLEN: tl.constexpr, DOT_BF16: tl.constexpr,
                    PREC: tl.constexpr):
@@ -722,7 +830,7 @@ def _bwd_dv_kernel(q, k, g, do, dhbuf, dv, cu_seqlens, chunk_offsets, chunk_indi
     t0 = bos + i_t * BT
     n_valid = eos - t0
     v0 = i_v * BV
-    st_next = ((c0 + i_n + i_t + 1) * Hkv + i_h) * K * V
+    st_next = ((c0 + i_n + i_t + 1) * Hkv + i_h) * K * VS
     rows = tl.arange(0, BT)
     causal = rows[:, None] >= rows[None, :]
     kp = k + i_h * K
@@ -740,7 +848,7 @@ def _bwd_dv_kernel(q, k, g, do, dhbuf, dv, cu_seqlens, chunk_offsets, chunk_indi
             k_e = b_k                                       # unused
             k_end = b_k * tl.exp2(G_last[None, :] - G)
         k_e = _op(k_e, DOT_BF16)
-        b_dh1 = _load_state(dhbuf + st_next, 0, v0, K, V, BK, BV)
+        b_dh1 = _load_state(dhbuf + st_next, 0, v0, K, V, VS, BK, BV)
         b_dv = _mm(k_end, b_dh1, DOT_BF16, PREC)
         for r in range(R):
             hq = i_h * R + r
@@ -750,14 +858,14 @@ def _bwd_dv_kernel(q, k, g, do, dhbuf, dv, cu_seqlens, chunk_offsets, chunk_indi
             else:
                 P = _scores_slow(b_q, b_k, gp, t0, n_valid, Hkv * K, 0, K, BT, BK)
             P = tl.where(causal, P * scale, 0.0)
-            b_do = _load_rows(do + hq * V, t0, n_valid, H * V, v0, V, BT, BV)
+            b_do = _load_rows(do + hq * VO, t0, n_valid, H * VO, v0, V, BT, BV)
             b_dv += _mm(tl.trans(P), b_do, DOT_BF16, PREC)
     else:
         b_dv = tl.zeros([BT, BV], dtype=tl.float32)
         for i_k in range(NK):
             b_k = _load_rows(kp, t0, n_valid, Hkv * K, i_k * BK, K, BT, BK).to(tl.float32)
             G, G_last = _gates(gp, t0, n_valid, Hkv * K, i_k * BK, K, BT, BK)
-            b_dh1 = _load_state(dhbuf + st_next, i_k * BK, v0, K, V, BK, BV)
+            b_dh1 = _load_state(dhbuf + st_next, i_k * BK, v0, K, V, VS, BK, BV)
             b_dv += _mm(b_k * tl.exp2(G_last[None, :] - G), b_dh1, DOT_BF16, PREC)
         for r in range(R):
             hq = i_h * R + r
@@ -772,7 +880,7 @@ def _bwd_dv_kernel(q, k, g, do, dhbuf, dv, cu_seqlens, chunk_offsets, chunk_indi
                 else:
                     P += _scores_slow(b_q, b_k, gp, t0, n_valid, Hkv * K, i_k * BK, K, BT, BK)
             P = tl.where(causal, P * scale, 0.0)
-            b_do = _load_rows(do + hq * V, t0, n_valid, H * V, v0, V, BT, BV)
+            b_do = _load_rows(do + hq * VO, t0, n_valid, H * VO, v0, V, BT, BV)
             b_dv += _mm(tl.trans(P), b_do, DOT_BF16, PREC)
     _store_rows(dv + i_h * V, b_dv, t0, n_valid, Hkv * V, v0, V, BT, BV)
 
@@ -798,7 +906,7 @@ def _recurrent_kernel(q, k, v, g, o, h0, ht, T, scale,
     mv = rv < V
     b_h = tl.zeros([BK, BV], dtype=tl.float32)
     if USE_H0:
-        b_h += _load_state(h0 + i_nh.to(tl.int64) * K * V, 0, i_v * BV, K, V, BK, BV)
+        b_h += _load_state(h0 + i_nh.to(tl.int64) * K * V, 0, i_v * BV, K, V, V, BK, BV)
     for t in range(T):
         row = i_n.to(tl.int64) * T + t
         b_k = tl.load(k + row * Hkv * K + i_h * K + rk, mask=mk, other=0.0).to(tl.float32)
@@ -811,7 +919,7 @@ def _recurrent_kernel(q, k, v, g, o, h0, ht, T, scale,
             b_o = tl.sum(b_q[:, None] * b_h, axis=0) * scale
             tl.store(o + row * H * V + hq * V + rv, b_o.to(o.dtype.element_ty), mask=mv)
     if STORE_HT:
-        _store_state(ht + i_nh.to(tl.int64) * K * V, b_h, 0, i_v * BV, K, V, BK, BV)
+        _store_state(ht + i_nh.to(tl.int64) * K * V, b_h, 0, i_v * BV, K, V, V, BK, BV)
 
 
 # ----------------------------------------------------------------------------------------
@@ -836,7 +944,7 @@ def _new(shape, dtype, device):
     return torch.empty(shape, dtype=dtype, device=device)
 
 
-def _check(q, k, v, g, initial_state, cu_seqlens, chunked: bool):
+def _check(q, k, v, g, initial_state, cu_seqlens, chunked: bool, normalizer: bool = False):
     for name, x in (("q", q), ("k", k), ("v", v), ("g", g)):
         if not isinstance(x, torch.Tensor) or x.ndim != 4:
             raise ValueError(f"{name} must be a 4-D tensor [B, T, heads, dim], got "
@@ -876,8 +984,9 @@ def _check(q, k, v, g, initial_state, cu_seqlens, chunked: bool):
                 or cu_seqlens.dtype not in (torch.int32, torch.int64)):
             raise ValueError("cu_seqlens must be a 1-D int32/int64 tensor of N+1 cumulative lengths")
         N = cu_seqlens.numel() - 1
-    if initial_state is not None and tuple(initial_state.shape) != (N, Hkv, K, V):
-        raise ValueError(f"initial_state must be [{N}, {Hkv}, {K}, {V}], got {tuple(initial_state.shape)}")
+    VS = V + int(normalizer)
+    if initial_state is not None and tuple(initial_state.shape) != (N, Hkv, K, VS):
+        raise ValueError(f"initial_state must be [{N}, {Hkv}, {K}, {VS}], got {tuple(initial_state.shape)}")
     return B, T, H, Hkv, K, V, N
 
 
@@ -1021,8 +1130,10 @@ class _Config:
         return _Segments(seg_len, n_chunks, varlen, device)
 
 
-def _forward(q, k, v, g, scale, h0, want_ht, cu_seqlens, tiles, chunk, segment):
-    B, T, H, Hkv, K, V, N = _check(q, k, v, g, h0, cu_seqlens, chunked=True)
+def _forward(q, k, v, g, scale, h0, want_ht, cu_seqlens, tiles, chunk, segment, normalizer):
+    B, T, H, Hkv, K, V, N = _check(q, k, v, g, h0, cu_seqlens, chunked=True,
+                                   normalizer=normalizer)
+    VS = V + int(normalizer)                        # state columns (z last) and o's columns
     cfg = _Config(B, T, H, Hkv, K, V, N, q.dtype, q.device, tiles, chunk)
     if segment is not None:                         # private: force the segment length (tests)
         cfg.seg_len = int(segment)
@@ -1040,11 +1151,12 @@ def _forward(q, k, v, g, scale, h0, want_ht, cu_seqlens, tiles, chunk, segment):
     q, k, v, g = (x.contiguous() for x in (q, k, v, g))
     if h0 is not None:
         h0 = h0.contiguous()
-    hbuf = _new((n_entries, Hkv, K, V), cfg.state_dtype, q.device)
-    ht = _new((N, Hkv, K, V), torch.float32, q.device) if want_ht else None
-    o = _new((B, T, H, V), q.dtype, q.device)
-    common = dict(IS_VARLEN=cu is not None, DOT_BF16=cfg.dot_bf16, PREC=cfg.prec)
-    dec, segend = _segment_buffers(seg, n_entries, Hkv, K, V, q.device)
+    hbuf = _new((n_entries, Hkv, K, VS), cfg.state_dtype, q.device)
+    ht = _new((N, Hkv, K, VS), torch.float32, q.device) if want_ht else None
+    o = _new((B, T, H, VS), q.dtype, q.device)
+    common = dict(IS_VARLEN=cu is not None, DOT_BF16=cfg.dot_bf16, PREC=cfg.prec,
+                  VS=VS, VO=VS, NORM=bool(normalizer))
+    dec, segend = _segment_buffers(seg, n_entries, Hkv, K, VS, q.device)
     _fwd_state_kernel[(cfg.NK_seq, cfg.NV_seq, seg.total * Hkv)](
         k, v, g, h0, ht, hbuf, dec, segend, cu, offsets, seg.indices, T, seg.seg_len, seg.n_seg,
         Hkv=Hkv, K=K, V=V, BT=cfg.BT, BK=cfg.BK_seq, BV=cfg.BV_seq,
@@ -1052,12 +1164,12 @@ def _forward(q, k, v, g, scale, h0, want_ht, cu_seqlens, tiles, chunk, segment):
         num_warps=cfg.warps_seq, num_stages=cfg.stages_seq)
     if seg.on:
         _chain_segments(cfg, seg, hbuf, dec, segend, ht, cu, offsets, indices, T, total, N,
-                        Hkv, K, V, reverse=False)
+                        Hkv, K, VS, reverse=False)
     _fwd_output_kernel[(total, Hkv)](
         q, k, v, g, o, hbuf, cu, offsets, indices, T, scale,
         H=H, Hkv=Hkv, K=K, V=V, BT=cfg.BT, BK=cfg.BK_o, BV=cfg.BV_o, NK=cfg.NK_o, NV=cfg.NV_o,
         R=R, **common, num_warps=cfg.warps_o, num_stages=cfg.stages_chunk)
-    meta = (cfg, cu, offsets, indices, total, N, seg)
+    meta = (cfg, cu, offsets, indices, total, N, seg, bool(normalizer))
     return o, ht, hbuf, meta
 
 
@@ -1071,34 +1183,38 @@ def _segment_buffers(seg, n_entries, Hkv, K, V, device):
 
 def _chain_segments(cfg, seg, buf, dec, segend, final, cu, offsets, indices, T, total, N,
                     Hkv, K, V, reverse):
-    """After a segmented pass: true states at the segment anchors, then at every slot."""
+    """After a segmented pass: true states at the segment anchors, then at every slot.
+    V here is the full state width (with the normaliser's column)."""
     IS_VARLEN = cu is not None
-    _seg_combine_kernel[(cfg.NK_seq, cfg.NV_seq, N * Hkv)](
+    NV = triton.cdiv(V, cfg.BV_seq)
+    _seg_combine_kernel[(cfg.NK_seq, NV, N * Hkv)](
         buf, dec, segend, final, cu, offsets, seg.offsets, T, seg.seg_len, seg.n_seg,
         Hkv=Hkv, K=K, V=V, BT=cfg.BT, BK=cfg.BK_seq, BV=cfg.BV_seq, REVERSE=reverse,
         STORE_FINAL=final is not None, IS_VARLEN=IS_VARLEN, num_warps=4)
     _seg_fixup_kernel[(total, Hkv)](
         buf, dec, cu, offsets, indices, T, seg.seg_len,
         Hkv=Hkv, K=K, V=V, BT=cfg.BT, BK=cfg.BK_seq, BV=cfg.BV_seq, NK=cfg.NK_seq,
-        NV=cfg.NV_seq, REVERSE=reverse, IS_VARLEN=IS_VARLEN, num_warps=4)
+        NV=NV, REVERSE=reverse, IS_VARLEN=IS_VARLEN, num_warps=4)
 
 
 def _backward(q, k, v, g, scale, hbuf, meta, do, dht, want_dh0):
-    cfg, cu, offsets, indices, total, N, seg = meta
+    cfg, cu, offsets, indices, total, N, seg, normalizer = meta
     B, T, H, K = q.shape
     Hkv, V = k.shape[2], v.shape[3]
+    VS = V + int(normalizer)
     R = H // Hkv
     do = do.contiguous()
     if dht is not None:
         dht = dht.contiguous()
     dhbuf = _new(hbuf.shape, cfg.state_dtype, q.device)
-    dh0 = _new((N, Hkv, K, V), torch.float32, q.device) if want_dh0 else None
+    dh0 = _new((N, Hkv, K, VS), torch.float32, q.device) if want_dh0 else None
     dq = _new(q.shape, q.dtype, q.device)
     dk = _new(k.shape, k.dtype, q.device)
     dv = _new(v.shape, v.dtype, q.device)
     dg = _new(g.shape, g.dtype, q.device)
-    common = dict(IS_VARLEN=cu is not None, DOT_BF16=cfg.dot_bf16, PREC=cfg.prec)
-    dec, segend = _segment_buffers(seg, hbuf.shape[0], Hkv, K, V, q.device)
+    common = dict(IS_VARLEN=cu is not None, DOT_BF16=cfg.dot_bf16, PREC=cfg.prec,
+                  VS=VS, VO=VS, NORM=normalizer)
+    dec, segend = _segment_buffers(seg, hbuf.shape[0], Hkv, K, VS, q.device)
     _bwd_dh_kernel[(cfg.NK_seq, cfg.NV_seq, seg.total * Hkv)](
         q, g, do, dht, dh0, dhbuf, dec, segend, cu, offsets, seg.indices, T, seg.seg_len,
         seg.n_seg, scale,
@@ -1107,7 +1223,7 @@ def _backward(q, k, v, g, scale, hbuf, meta, do, dht, want_dh0):
         num_warps=cfg.warps_seq, num_stages=cfg.stages_seq)
     if seg.on:
         _chain_segments(cfg, seg, dhbuf, dec, segend, dh0, cu, offsets, indices, T, total, N,
-                        Hkv, K, V, reverse=True)
+                        Hkv, K, VS, reverse=True)
     _bwd_dqkg_kernel[(cfg.NK_g, total, Hkv)](
         q, k, v, g, do, hbuf, dhbuf, dq, dk, dg, dv, cu, offsets, indices, T, scale,
         H=H, Hkv=Hkv, K=K, V=V, BT=cfg.BT, BK=cfg.BK_g, BV=cfg.BV_g, NV=cfg.NV_g, R=R,
@@ -1124,10 +1240,10 @@ class _FusedChunkGLA(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, g, scale, initial_state, output_final_state, cu_seqlens, tiles,
-                chunk, segment):
+                chunk, segment, normalizer):
         q, k, v, g = (x.contiguous() for x in (q, k, v, g))
         o, ht, hbuf, meta = _forward(q, k, v, g, scale, initial_state, output_final_state,
-                                     cu_seqlens, tiles, chunk, segment)
+                                     cu_seqlens, tiles, chunk, segment, normalizer)
         ctx.save_for_backward(q, k, v, g, hbuf)
         ctx.meta = meta
         ctx.scale = scale
@@ -1141,30 +1257,36 @@ class _FusedChunkGLA(torch.autograd.Function):
     def backward(ctx, do, dht):
         q, k, v, g, hbuf = ctx.saved_tensors
         if do is None:
-            do = torch.zeros(q.shape[:3] + (v.shape[3],), dtype=q.dtype, device=q.device)
+            do = torch.zeros(q.shape[:3] + (v.shape[3] + int(ctx.meta[-1]),), dtype=q.dtype,
+                             device=q.device)
         want_dh0 = ctx.has_h0 and ctx.needs_input_grad[5]
         dq, dk, dv, dg, dh0 = _backward(q, k, v, g, ctx.scale, hbuf, ctx.meta, do, dht, want_dh0)
         if dh0 is not None and dh0.dtype != ctx.h0_dtype:
             dh0 = dh0.to(ctx.h0_dtype)               # autograd wants the input's dtype
-        return dq, dk, dv, dg, None, dh0, None, None, None, None, None
+        return dq, dk, dv, dg, None, dh0, None, None, None, None, None, None
 
 
 def fused_chunk_gla(q, k, v, g, scale=None, initial_state=None, output_final_state=False,
-                    cu_seqlens=None, *, _tiles=None, _chunk=None, _segment=None):
+                    cu_seqlens=None, normalizer=False, *, _tiles=None, _chunk=None,
+                    _segment=None):
     """Chunk-parallel GLA, differentiable in q, k, v, g and initial_state.
 
     q [B, T, H, K]; k, g [B, T, Hkv, K]; v [B, T, Hkv, V]; g = per-step log-decays (<= 0).
     Returns (o [B, T, H, V] in q's dtype, final state [N, Hkv, K, V] float32 or None).
     cu_seqlens (int32/int64, N+1 cumulative lengths, B must be 1) packs N documents; the
     state restarts at each boundary and initial/final states are per document.
+    normalizer=True computes what a column of ones appended to v would give, without the
+    extra column in every V tile: o gets V + 1 columns (the last is the normaliser
+    s * sum_j (q_i 2^{G_i - G_j}) k_j) and the states K x (V + 1) (the last column is the
+    normaliser's state), exactly the layout of the ones-column call.
     `_tiles=(BK, BV)`, `_chunk` and `_segment` are private (tests): they force the tile sizes
     of every kernel, the chunk length and the chunks per segment of the sequential passes
     (0: one walk per sequence).
     """
-    _check(q, k, v, g, initial_state, cu_seqlens, chunked=True)
+    _check(q, k, v, g, initial_state, cu_seqlens, chunked=True, normalizer=bool(normalizer))
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
     return _FusedChunkGLA.apply(q, k, v, g, scale, initial_state, bool(output_final_state),
-                                cu_seqlens, _tiles, _chunk, _segment)
+                                cu_seqlens, _tiles, _chunk, _segment, bool(normalizer))
 
 
 def fused_recurrent_gla(q, k, v, g, scale=None, initial_state=None, output_final_state=False):

@@ -104,16 +104,21 @@ def make_inputs(B, T, H, Hkv, K, V, gate="normal", h0=False, seqs=None, seed=0):
 
 def run_and_compare(B, T, H, Hkv, K, V, dtype=torch.float32, gate="normal", h0=True,
                     final=True, seqs=None, tiles=None, chunk=None, scale=None, tol=None,
-                    segment=None):
+                    segment=None, normalizer=False):
     """Forward + backward of fused_chunk_gla against recurrent_gla_torch in float64 on the
-    same (dtype-rounded) data. Returns the dict of relative errors after asserting them."""
-    (q, k, v, g), s0, cu, do, dht = make_inputs(B, T, H, Hkv, K, V, gate, h0, seqs)
+    same (dtype-rounded) data. Returns the dict of relative errors after asserting them.
+    normalizer=True: the kernel's implicit column of ones against the reference run on v
+    with a real column of ones appended (o, states, do and dht have V + 1 columns)."""
+    VS = V + int(normalizer)
+    (q, k, v, g), s0, cu, do, dht = make_inputs(B, T, H, Hkv, K, VS, gate, h0, seqs)
+    v = v[..., :V].contiguous()
     xs = [x.to(dtype).to(DEVICE).requires_grad_() for x in (q, k, v, g)]
     s0_t = None if s0 is None else s0.to(DEVICE).clone().requires_grad_()
     cu_t = None if cu is None else cu.to(DEVICE)
     o, ht = fused_chunk_gla(*xs, scale=scale, initial_state=s0_t, output_final_state=final,
-                            cu_seqlens=cu_t, _tiles=tiles, _chunk=chunk, _segment=segment)
-    assert o.dtype == dtype and o.shape == (B, T, H, V)
+                            cu_seqlens=cu_t, normalizer=normalizer, _tiles=tiles, _chunk=chunk,
+                            _segment=segment)
+    assert o.dtype == dtype and o.shape == (B, T, H, VS)
     loss = (o.double() * do.to(DEVICE).double()).sum()
     if final:
         assert ht.dtype == torch.float32 and ht.shape == dht.shape
@@ -124,7 +129,10 @@ def run_and_compare(B, T, H, Hkv, K, V, dtype=torch.float32, gate="normal", h0=T
 
     refs = [x.detach().double().requires_grad_() for x in xs]
     s0_r = None if s0 is None else s0.to(DEVICE).double().detach().requires_grad_()
-    o_r, ht_r = recurrent_gla_torch(*refs, scale=scale, initial_state=s0_r,
+    q_r, k_r, v_r, g_r = refs
+    if normalizer:
+        v_r = torch.cat([v_r, torch.ones_like(v_r[..., :1])], dim=-1)
+    o_r, ht_r = recurrent_gla_torch(q_r, k_r, v_r, g_r, scale=scale, initial_state=s0_r,
                                     output_final_state=True, cu_seqlens=cu_t)
     loss_r = (o_r * do.to(DEVICE).double()).sum()
     if final:
@@ -258,6 +266,43 @@ def test_segment_plan():
     docs = plan(1, 16384, 8, 64, seqs=[16000, 100, 284])
     assert docs.on and docs.indices.shape == (docs.total, 2)
     assert docs.offsets.tolist()[-1] == docs.total
+
+
+@needs_kernels
+@pytest.mark.parametrize("case", ["plain", "gqa_varlen", "segmented_tiles", "bf16"])
+def test_in_kernel_normalizer(case):
+    """normalizer=True equals a column of ones appended to v: output, normaliser, states
+    and every gradient (the ones themselves get none)."""
+    kw = {"plain": dict(B=2, T=70, H=2, Hkv=2, K=32, V=24),
+          "gqa_varlen": dict(B=1, T=150, H=4, Hkv=2, K=32, V=32, seqs=[70, 1, 0, 79],
+                             chunk=16, segment=2, gate="mixed"),
+          "segmented_tiles": dict(B=1, T=100, H=2, Hkv=1, K=48, V=40, tiles=(16, 16), chunk=16,
+                                  segment=3, gate="mixed"),
+          "bf16": dict(B=1, T=90, H=4, Hkv=2, K=64, V=64, dtype=torch.bfloat16, chunk=32,
+                       segment=1)}[case]
+    err = run_and_compare(normalizer=True, **kw)
+    assert "dh0" in err and "ht" in err
+
+
+@needs_kernels
+@pytest.mark.parametrize("in_kernel", [False, True])
+def test_ops_normalizer_dispatch(monkeypatch, in_kernel):
+    """gla_ops.chunk_gla(normalizer=True): the Triton path (ones column, or in-kernel once
+    switched on) matches the PyTorch path, outputs, final state and gradients."""
+    gla_ops = importlib.import_module("glaswap_kernels.gla_ops")
+    monkeypatch.setattr(gla_ops, "NORMALIZER_IN_KERNEL", in_kernel)
+    (q, k, v, g), s0, _, do, dht = make_inputs(1, 40, 4, 2, 16, 17, h0=True)
+    v = v[..., :16]
+    outs = []
+    for backend in ("torch", "triton"):
+        xs = [x.clone().to(DEVICE).requires_grad_() for x in (q, k, v, g, s0)]
+        o, ht = gla_ops.chunk_gla(*xs[:4], initial_state=xs[4], output_final_state=True,
+                                  backend=backend, normalizer=True)
+        assert o.shape[-1] == 17 and ht.shape[-1] == 17
+        ((o * do.to(DEVICE)).sum() + (ht * dht.to(DEVICE)).sum()).backward()
+        outs.append([o, ht] + [x.grad for x in xs])
+    for a, b in zip(*outs):
+        assert rel(a, b) < 1e-4
 
 
 @needs_kernels
@@ -397,7 +442,8 @@ def test_kernels_compile_for_hopper():
     bench_dir = os.path.join(os.path.dirname(HERE), "benchmarks")
     cases = [("bf16", 1, 512, 4, 2, 64, 64, [100, 300, 112]),
              ("fp32", 1, 512, 4, 4, 80, 65, None),
-             ("fp16", 1, 256, 2, 2, 256, 257, None)]
+             ("fp16", 1, 256, 2, 2, 256, 257, None),
+             ("bf16", 1, 8192, 4, 2, 64, 64, [5000, 3192], True)]      # segmented, normaliser
     code = ("import sys, json; sys.path.insert(0, %r); import bench_kernels as b; "
             "rows = b.ptxas_report(%r); print('ROWS', json.dumps(rows))" % (bench_dir, cases))
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
@@ -415,9 +461,10 @@ def test_kernels_compile_for_hopper():
 # GPU: real sizes, bf16 (skipped without CUDA)
 # ---------------------------------------------------------------------------------------
 
-def _gpu_compare(B, T, H, Hkv, K, V, seqs=None, backward=True, tol=2e-2):
+def _gpu_compare(B, T, H, Hkv, K, V, seqs=None, backward=True, tol=2e-2, normalizer=False):
     """bf16 kernels against the float32 chunked torch form (itself tested against the
-    recurrence) on the same bf16-rounded data."""
+    recurrence) on the same bf16-rounded data; normalizer: the in-kernel normaliser against
+    the reference on v with a column of ones."""
     torch.manual_seed(0)
     dev = "cuda"
     q = torch.randn(B, T, H, K, device=dev).bfloat16()
@@ -427,13 +474,16 @@ def _gpu_compare(B, T, H, Hkv, K, V, seqs=None, backward=True, tol=2e-2):
     N = B if seqs is None else len(seqs)
     cu = None if seqs is None else torch.tensor([0] + list(torch.tensor(seqs).cumsum(0)),
                                                 dtype=torch.int32, device=dev)
-    s0 = torch.randn(N, Hkv, K, V, device=dev)
+    s0 = torch.randn(N, Hkv, K, V + int(normalizer), device=dev)
     xs = [x.clone().requires_grad_(backward) for x in (q, k, v, g)]
     rs = [x.float().requires_grad_(backward) for x in (q, k, v, g)]
     s0a = s0.clone().requires_grad_(backward)
     s0b = s0.clone().requires_grad_(backward)
-    o, ht = fused_chunk_gla(*xs, initial_state=s0a, output_final_state=True, cu_seqlens=cu)
-    o_r, ht_r = chunk_gla_torch(*rs, initial_state=s0b, output_final_state=True, cu_seqlens=cu)
+    o, ht = fused_chunk_gla(*xs, initial_state=s0a, output_final_state=True, cu_seqlens=cu,
+                            normalizer=normalizer)
+    v_r = torch.cat([rs[2], torch.ones_like(rs[2][..., :1])], -1) if normalizer else rs[2]
+    o_r, ht_r = chunk_gla_torch(rs[0], rs[1], v_r, rs[3], initial_state=s0b,
+                                output_final_state=True, cu_seqlens=cu)
     errs = {"o": rel(o, o_r), "ht": rel(ht, ht_r)}
     if backward:
         do = torch.randn_like(o_r)
@@ -453,6 +503,15 @@ def _gpu_compare(B, T, H, Hkv, K, V, seqs=None, backward=True, tol=2e-2):
 @pytest.mark.parametrize("D", [64, 128])
 def test_gpu_bf16(Hkv, D):
     _gpu_compare(B=2, T=4096, H=16, Hkv=Hkv, K=D, V=D)
+
+
+@gpu
+@gpu_only
+def test_gpu_bf16_normalizer():
+    _gpu_compare(B=2, T=4096, H=16, Hkv=4, K=64, V=64, normalizer=True)
+    _gpu_compare(B=1, T=3000, H=8, Hkv=8, K=128, V=128, normalizer=True)
+    _gpu_compare(B=1, T=16384, H=16, Hkv=4, K=64, V=64, seqs=[5000, 1, 3000, 8383],
+                 normalizer=True)
 
 
 @gpu

@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from glaswap_kernels.gla_ops import HAS_TRITON, chunk_gla, recurrent_gla
+from glaswap_kernels.gla_ops import HAS_TRITON, chunk_gla, recurrent_gla, with_ones
 
 GATES = ("lowrank", "key", "scalar")
 FEATURE_MAPS = ("identity", "softmax", "hedgehog")
@@ -197,9 +197,6 @@ class GLAAttention(nn.Module):
             cos, sin = position_embeddings
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         q, k = self.q_map(q), self.k_map(k)
-        if cfg.normalizer:
-            # A column of ones appended to v makes the same kernel return the denominator.
-            v = torch.cat([v, v.new_ones(B, T, self.num_kv_heads, 1)], dim=-1)
         if attention_mask is not None and attention_mask.dim() == 2:
             # Padded positions must not touch the state: no key, no value, no decay.
             keep = attention_mask[:, -T:].to(v.dtype)[:, :, None, None]
@@ -209,12 +206,15 @@ class GLAAttention(nn.Module):
             # Packed documents: the kernel takes one flat sequence with boundaries.
             q, k, v, g = (t.reshape(1, B * T, *t.shape[2:]) for t in (q, k, v, g))
         state = cache.recurrent_state(self.layer_idx) if cache is not None else None
+        # With the normaliser, o's last column is the denominator: what a column of ones
+        # appended to v returns (the state carries it as its last column too).
         if cache is not None and T == 1 and not torch.is_grad_enabled():
-            o, new_state = _decode_step(q, k, v, g, scale, state, cfg.gla_backend)
+            o, new_state = _decode_step(q, k, with_ones(v) if cfg.normalizer else v, g, scale,
+                                        state, cfg.gla_backend)
         else:
             o, new_state = chunk_gla(q, k, v, g, scale=scale, initial_state=state,
                                      output_final_state=cache is not None, cu_seqlens=cu_seqlens,
-                                     backend=cfg.gla_backend)
+                                     backend=cfg.gla_backend, normalizer=cfg.normalizer)
         if cache is not None:
             cache.set_recurrent_state(self.layer_idx, new_state)
         o = o.reshape(B, T, *o.shape[2:])
