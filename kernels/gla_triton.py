@@ -300,8 +300,8 @@ def _store_dec(dec, slot, i_h, x, k0, Hkv: tl.constexpr, K: tl.constexpr, BK: tl
 @triton.jit
 def _fwd_state_kernel(k, v, g, h0, ht, hbuf, dec, segend, cu_seqlens, chunk_offsets, seg_indices,
                       T, seg_len, n_seg,
-                      Hkv: tl.constexpr, K: tl.constexpr, V: tl.constexpr, VS: tl.constexpr, VO: tl.constexpr,
-                      NORM: tl.constexpr, BT: tl.constexpr,
+                      Hkv: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+                      VS: tl.constexpr, VO: tl.constexpr, NORM: tl.constexpr, BT: tl.constexpr,
                       BK: tl.constexpr, BV: tl.constexpr, USE_H0: tl.constexpr,
                       STORE_HT: tl.constexpr, IS_VARLEN: tl.constexpr, SEGMENTED: tl.constexpr,
                       DOT_BF16: tl.constexpr, PREC: tl.constexpr):
@@ -430,8 +430,8 @@ def _seg_combine_kernel(buf, dec, segend, hfinal, cu_seqlens, chunk_offsets, seg
         for i in range(1, S):
             slot = base + (S - 1 - i) * seg_len
             a = tl.exp2(tl.load(dec + (slot * Hkv + i_h) * K + rk, mask=mk, other=0.0))
-            b_h = a[:, None] * b_h + _load_state(
-                segend + ((s0 + S - 1 - i) * Hkv + i_h).to(tl.int64) * K * V, k0, v0, K, V, V, BK, BV)
+            sp = segend + ((s0 + S - 1 - i) * Hkv + i_h).to(tl.int64) * K * V
+            b_h = a[:, None] * b_h + _load_state(sp, k0, v0, K, V, V, BK, BV)
             _store_state(buf + (slot * Hkv + i_h) * K * V, b_h, k0, v0, K, V, V, BK, BV)
     else:
         b_h = _load_state(segend + (s0 * Hkv + i_h).to(tl.int64) * K * V, k0, v0, K, V, V, BK, BV)
@@ -477,16 +477,17 @@ def _seg_fixup_kernel(buf, dec, cu_seqlens, chunk_offsets, chunk_indices, T, seg
             rk = i_k * BK + tl.arange(0, BK)
             a = tl.exp2(tl.load(dec + (slot * Hkv + i_h) * K + rk, mask=rk < K, other=0.0))
             for i_v in range(NV):
-                x = (_load_state(buf + (slot * Hkv + i_h) * K * V, i_k * BK, i_v * BV, K, V, V, BK, BV)
-                     + a[:, None] * _load_state(buf + (aslot * Hkv + i_h) * K * V,
-                                                i_k * BK, i_v * BV, K, V, V, BK, BV))
-                _store_state(buf + (slot * Hkv + i_h) * K * V, x, i_k * BK, i_v * BV, K, V, V, BK, BV)
+                sp = buf + (slot * Hkv + i_h) * K * V
+                ap = buf + (aslot * Hkv + i_h) * K * V
+                x = (_load_state(sp, i_k * BK, i_v * BV, K, V, V, BK, BV)
+                     + a[:, None] * _load_state(ap, i_k * BK, i_v * BV, K, V, V, BK, BV))
+                _store_state(sp, x, i_k * BK, i_v * BV, K, V, V, BK, BV)
 
 
 @triton.jit
 def _fwd_output_kernel(q, k, v, g, o, hbuf, cu_seqlens, chunk_offsets, chunk_indices, T, scale,
-                       H: tl.constexpr, Hkv: tl.constexpr, K: tl.constexpr, V: tl.constexpr, VS: tl.constexpr, VO: tl.constexpr,
-                      NORM: tl.constexpr,
+                       H: tl.constexpr, Hkv: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+                       VS: tl.constexpr, VO: tl.constexpr, NORM: tl.constexpr,
                        BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
                        NK: tl.constexpr, NV: tl.constexpr, R: tl.constexpr,
                        IS_VARLEN: tl.constexpr, DOT_BF16: tl.constexpr, PREC: tl.constexpr):
@@ -574,8 +575,8 @@ def _fwd_output_kernel(q, k, v, g, o, hbuf, cu_seqlens, chunk_offsets, chunk_ind
 @triton.jit
 def _bwd_dh_kernel(q, g, do, dht, dh0, dhbuf, dec, segend, cu_seqlens, chunk_offsets, seg_indices,
                    T, seg_len, n_seg, scale,
-                   H: tl.constexpr, Hkv: tl.constexpr, K: tl.constexpr, V: tl.constexpr, VS: tl.constexpr, VO: tl.constexpr,
-                      NORM: tl.constexpr,
+                   H: tl.constexpr, Hkv: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+                   VS: tl.constexpr, VO: tl.constexpr, NORM: tl.constexpr,
                    BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, R: tl.constexpr,
                    USE_DHT: tl.constexpr, STORE_DH0: tl.constexpr, IS_VARLEN: tl.constexpr,
                    SEGMENTED: tl.constexpr, DOT_BF16: tl.constexpr, PREC: tl.constexpr):
@@ -689,8 +690,8 @@ def _bwd_dh_kernel(q, g, do, dht, dh0, dhbuf, dec, segend, cu_seqlens, chunk_off
 @triton.jit
 def _bwd_dqkg_kernel(q, k, v, g, do, hbuf, dhbuf, dq, dk, dg, dv, cu_seqlens, chunk_offsets,
                      chunk_indices, T, scale,
-                     H: tl.constexpr, Hkv: tl.constexpr, K: tl.constexpr, V: tl.constexpr, VS: tl.constexpr, VO: tl.constexpr,
-                      NORM: tl.constexpr,
+                     H: tl.constexpr, Hkv: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+                     VS: tl.constexpr, VO: tl.constexpr, NORM: tl.constexpr,
                      BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, NV: tl.constexpr,
                      R: tl.constexpr, WITH_DV: tl.constexpr, IS_VARLEN: tl.constexpr,
                      DOT_BF16: tl.constexpr, PREC: tl.constexpr):
@@ -816,8 +817,8 @@ def _bwd_dqkg_kernel(q, k, v, g, do, hbuf, dhbuf, dq, dk, dg, dv, cu_seqlens, ch
 
 @triton.jit
 def _bwd_dv_kernel(q, k, g, do, dhbuf, dv, cu_seqlens, chunk_offsets, chunk_indices, T, scale,
-                   H: tl.constexpr, Hkv: tl.constexpr, K: tl.constexpr, V: tl.constexpr, VS: tl.constexpr, VO: tl.constexpr,
-                      NORM: tl.constexpr,
+                   H: tl.constexpr, Hkv: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+                   VS: tl.constexpr, VO: tl.constexpr, NORM: tl.constexpr,
                    BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, NK: tl.constexpr,
                    R: tl.constexpr, IS_VARLEN: tl.constexpr, DOT_BF16: tl.constexpr,
                    PREC: tl.constexpr):
