@@ -499,6 +499,8 @@ def main(argv=None):
     ap.add_argument("--ptxas-report", action="store_true",
                     help="no GPU needed: compile every kernel for sm_90, print registers/spills")
     ap.add_argument("--fla-timeout", type=int, default=900, help="seconds per fla release")
+    ap.add_argument("--match", action="append", metavar="TEXT",
+                    help="only the shapes whose name contains TEXT (repeatable)")
     ap.add_argument("--_fla-worker", dest="fla_worker", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     global DRY_RUN, FLA_TIMEOUT
@@ -542,6 +544,8 @@ def main(argv=None):
 
     rows = []
     for s in shapes(args.quick):
+        if args.match and not any(m in s["name"] for m in args.match):
+            continue
         row = {"shape": s["name"], "floor_fwd_ms": floor_bytes(s, False) / HBM_BYTES_PER_S * 1e3,
                "floor_fb_ms": floor_bytes(s, True) / HBM_BYTES_PER_S * 1e3}
         if args.only != "sdpa":

@@ -69,6 +69,15 @@ fla-table)  # SDPA and both fla releases at every shape (after the fla step)
 final)      # GPU tests and the full table with the defaults
   python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_gla_triton.py 2>&1 | tee "$OUT/gpu_tests.log" | tail -3
   python3 benchmarks/bench_kernels.py --json "$OUT/kernels.json" 2>&1 | tee "$OUT/kernels.log" | tail -17 ;;
+norm)       # the in-kernel normaliser: GPU tests, its benchmark rows, and the distill step
+  python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_gla_triton.py -k normalizer 2>&1 | tail -3
+  python3 benchmarks/bench_kernels.py --only glaswap --match V65 --match norm 2>&1 | tail -6
+  python3 benchmarks/bench_kernels.py --no-check --only glaswap --match norm \
+      --set warps_seq=8 --set warps_o=8 2>&1 | tail -4
+  for flag in 0 1; do
+    GLASWAP_NORMALIZER_IN_KERNEL=$flag python3 benchmarks/bench_distill.py --shapes llama-3.2-1b \
+        --reps 6 2>&1 | tail -4
+  done ;;
 regression) # the open SmolLM2 1x16384 question (NOTES: "Unexplained regression")
   python3 benchmarks/profile_kernels.py --no-sdpa --shape 1x16384:9/3:64x65 --shape 8x2048:9/3:64x65 \
       2>&1 | grep -E "^##|ms .*%"

@@ -26,8 +26,9 @@ BACKENDS = ("auto", "triton", "torch")
 # running a column of ones through every V tile (at V = 64 that column doubles the tiles:
 # 2.05 vs 1.14 ms on the H200 at 8x2048 H32). It is tested against the ones column under
 # the Triton interpreter but not yet timed or checked on a GPU; until then the Triton path
-# keeps the column (benchmarks/NOTES.md, "v3").
-NORMALIZER_IN_KERNEL = False
+# keeps the column (benchmarks/NOTES.md, "v3"). GLASWAP_NORMALIZER_IN_KERNEL=1 turns it on
+# (benchmarks, trials).
+NORMALIZER_IN_KERNEL = os.environ.get("GLASWAP_NORMALIZER_IN_KERNEL", "0") == "1"
 
 
 def _use_triton(x, backend):
