@@ -3,6 +3,13 @@
 #   bash benchmarks/run_gpu.sh payload-a     # carry .carry_a (first half of the payload)
 #   bash benchmarks/run_gpu.sh payload-b     # carry .carry_b: join, unpack, install gguf
 #   bash benchmarks/run_gpu.sh kernels|distill|bench|scaling
+# Kernel work needs no payload (random inputs, random-weight models):
+#   bash benchmarks/run_gpu.sh final         # GPU tests + the full bench_kernels table
+#   bash benchmarks/run_gpu.sh profile [VARIANT...]  # time per kernel, Nsight Compute, variants
+#   bash benchmarks/run_gpu.sh variants "--set KEY=VALUE" ...   # quick table per variant
+#   bash benchmarks/run_gpu.sh fla; LIMIT=S bash benchmarks/run_gpu.sh fla-table  # carry .carry_w
+#   bash benchmarks/run_gpu.sh norm          # the in-kernel normaliser, first GPU check
+#   bash benchmarks/run_gpu.sh regression    # the SmolLM2 1x16384 question in NOTES.md
 # The payload (built on a CPU machine, see NOTES.md) holds the SmolLM2 GGUF, the token
 # files of benchmarks/prepare_corpus.py and wheels (gguf, flash-linear-attention, fla-core):
 # the GPU machine has no network. glaswap is not installed there: it runs from this folder.
