@@ -265,11 +265,15 @@ def _dqk_slow(dP, b_q, b_k, gp, t0, n_valid, stride_t, c0, K: tl.constexpr,
 # ----------------------------------------------------------------------------------------
 
 @triton.jit
-def _walk_range(i_sg, seg_indices, n_seg, cu_seqlens, chunk_offsets, T, seg_len,
+def _walk_range(seg_indices, n_seg, cu_seqlens, chunk_offsets, T, seg_len, Hkv: tl.constexpr,
                 BT: tl.constexpr, SEGMENTED: tl.constexpr, IS_VARLEN: tl.constexpr):
-    """What program i_sg of a sequential pass walks: its sequence i_n, segment i_s, the
+    """What this program of a sequential pass (grid axis 2: segment x KV head) walks: its
+    segment index i_sg, KV head i_h, sequence i_n, segment within the sequence i_s, the
     sequence bounds (bos, eos, c0), the sequence's chunk count NT and the chunk range
     [t_first, t_end). Unsegmented passes walk a whole sequence each (segment 0)."""
+    i_sh = tl.program_id(2)
+    i_sg = i_sh // Hkv
+    i_h = i_sh % Hkv
     if SEGMENTED:
         if IS_VARLEN:
             i_n = tl.load(seg_indices + 2 * i_sg)
@@ -288,7 +292,7 @@ def _walk_range(i_sg, seg_indices, n_seg, cu_seqlens, chunk_offsets, T, seg_len,
     else:
         t_first = NT * 0
         t_end = NT
-    return i_n, i_s, bos, eos, c0, NT, t_first, t_end
+    return i_sg, i_h, i_n, i_s, bos, eos, c0, NT, t_first, t_end
 
 
 @triton.jit
@@ -319,11 +323,8 @@ def _fwd_state_kernel(k, v, g, h0, ht, hbuf, dec, segend, cu_seqlens, chunk_offs
     pipeliner away) and their latency hides behind this chunk's work."""
     i_k = tl.program_id(0)
     i_v = tl.program_id(1)
-    i_sh = tl.program_id(2)
-    i_sg = i_sh // Hkv
-    i_h = i_sh % Hkv
-    i_n, i_s, bos, eos, c0, NT, t_first, t_end = _walk_range(
-        i_sg, seg_indices, n_seg, cu_seqlens, chunk_offsets, T, seg_len, BT, SEGMENTED, IS_VARLEN)
+    i_sg, i_h, i_n, i_s, bos, eos, c0, NT, t_first, t_end = _walk_range(
+        seg_indices, n_seg, cu_seqlens, chunk_offsets, T, seg_len, Hkv, BT, SEGMENTED, IS_VARLEN)
     i_nh = i_n * Hkv + i_h
     k0 = i_k * BK
     v0 = i_v * BV
@@ -591,11 +592,8 @@ def _bwd_dh_kernel(q, g, do, dht, dh0, dhbuf, dec, segend, cu_seqlens, chunk_off
     of do: dz_i = 2^{G_last} dz_{i+1} + s * sum_heads (q 2^G)^T do[:, V]."""
     i_k = tl.program_id(0)
     i_v = tl.program_id(1)
-    i_sh = tl.program_id(2)
-    i_sg = i_sh // Hkv
-    i_h = i_sh % Hkv
-    i_n, i_s, bos, eos, c0, NT, t_first, t_end = _walk_range(
-        i_sg, seg_indices, n_seg, cu_seqlens, chunk_offsets, T, seg_len, BT, SEGMENTED, IS_VARLEN)
+    i_sg, i_h, i_n, i_s, bos, eos, c0, NT, t_first, t_end = _walk_range(
+        seg_indices, n_seg, cu_seqlens, chunk_offsets, T, seg_len, Hkv, BT, SEGMENTED, IS_VARLEN)
     i_nh = i_n * Hkv + i_h
     last = t_end == NT
     k0 = i_k * BK
