@@ -260,6 +260,22 @@ def _dqk_slow(dP, b_q, b_k, gp, t0, n_valid, stride_t, c0, K: tl.constexpr,
     return dq, dk
 
 
+@triton.jit
+def _score_tile(qp, kp, gp, t0, n_valid, k0, H: tl.constexpr, Hkv: tl.constexpr,
+                K: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, DOT_BF16: tl.constexpr,
+                PREC: tl.constexpr):
+    """One K tile's share of the (unmasked) scores P, factorised on tensor cores when the
+    tile's decay allows it, else exact row by row; also returns the tile's q and G."""
+    b_q = _load_rows(qp, t0, n_valid, H * K, k0, K, BT, BK).to(tl.float32)
+    b_k = _load_rows(kp, t0, n_valid, Hkv * K, k0, K, BT, BK).to(tl.float32)
+    G, G_last = _gates(gp, t0, n_valid, Hkv * K, k0, K, BT, BK)
+    if tl.max(-G_last, axis=0) < _SAFE:
+        p = _mm(b_q * tl.exp2(G), tl.trans(b_k * tl.exp2(-G)), DOT_BF16, PREC)
+    else:
+        p = _scores_slow(b_q, b_k, gp, t0, n_valid, Hkv * K, k0, K, BT, BK)
+    return p, b_q, G
+
+
 # ----------------------------------------------------------------------------------------
 # Forward
 # ----------------------------------------------------------------------------------------
@@ -544,16 +560,12 @@ def _fwd_output_kernel(q, k, v, g, o, hbuf, cu_seqlens, chunk_offsets, chunk_ind
             P = tl.zeros([BT, BT], dtype=tl.float32)
             den = tl.zeros([BT], dtype=tl.float32)
             for i_k in range(NK):
-                b_q = _load_rows(qp, t0, n_valid, H * K, i_k * BK, K, BT, BK).to(tl.float32)
-                b_k = _load_rows(kp, t0, n_valid, Hkv * K, i_k * BK, K, BT, BK).to(tl.float32)
-                G, G_last = _gates(gp, t0, n_valid, Hkv * K, i_k * BK, K, BT, BK)
+                p, b_q, G = _score_tile(qp, kp, gp, t0, n_valid, i_k * BK, H, Hkv, K, BT, BK,
+                                        DOT_BF16, PREC)
+                P += p
                 if NORM:
                     z = _load_col(hp, i_k * BK, K, V, VS, BK)
                     den += tl.sum(b_q * tl.exp2(G) * z[None, :], axis=1)
-                if tl.max(-G_last, axis=0) < _SAFE:
-                    P += _mm(b_q * tl.exp2(G), tl.trans(b_k * tl.exp2(-G)), DOT_BF16, PREC)
-                else:
-                    P += _scores_slow(b_q, b_k, gp, t0, n_valid, Hkv * K, i_k * BK, K, BT, BK)
             P = tl.where(causal, P, 0.0)
             if NORM:
                 _store_den(o + hq * VO, (den + tl.sum(P, axis=1)) * scale, t0, n_valid, H * VO,
@@ -871,13 +883,9 @@ def _bwd_dv_kernel(q, k, g, do, dhbuf, dv, cu_seqlens, chunk_offsets, chunk_indi
             qp = q + hq * K
             P = tl.zeros([BT, BT], dtype=tl.float32)
             for i_k in range(NK):
-                b_q = _load_rows(qp, t0, n_valid, H * K, i_k * BK, K, BT, BK).to(tl.float32)
-                b_k = _load_rows(kp, t0, n_valid, Hkv * K, i_k * BK, K, BT, BK).to(tl.float32)
-                G, G_last = _gates(gp, t0, n_valid, Hkv * K, i_k * BK, K, BT, BK)
-                if tl.max(-G_last, axis=0) < _SAFE:
-                    P += _mm(b_q * tl.exp2(G), tl.trans(b_k * tl.exp2(-G)), DOT_BF16, PREC)
-                else:
-                    P += _scores_slow(b_q, b_k, gp, t0, n_valid, Hkv * K, i_k * BK, K, BT, BK)
+                p, _, _ = _score_tile(qp, kp, gp, t0, n_valid, i_k * BK, H, Hkv, K, BT, BK,
+                                      DOT_BF16, PREC)
+                P += p
             P = tl.where(causal, P * scale, 0.0)
             b_do = _load_rows(do + hq * VO, t0, n_valid, H * VO, v0, V, BT, BV)
             b_dv += _mm(tl.trans(P), b_do, DOT_BF16, PREC)

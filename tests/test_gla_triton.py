@@ -8,8 +8,6 @@ Every comparison is a relative RMS error, ||x - ref|| / ||ref||, for the output,
 state and every gradient (q, k, v, g, initial state) of loss = (o*do).sum() + (ht*dht).sum().
 """
 
-import importlib
-import importlib.util
 import os
 import sys
 
@@ -17,27 +15,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from glaswap_kernels import gla_torch, gla_triton
+
 HERE = os.path.dirname(os.path.abspath(__file__))
-
-
-def _import_kernels():
-    """glaswap_kernels once packaged; until then, load kernels/ under that name by hand."""
-    try:
-        return importlib.import_module("glaswap_kernels.gla_triton")
-    except ImportError:
-        pass
-    root = os.path.join(os.path.dirname(HERE), "kernels")
-    spec = importlib.util.spec_from_file_location(
-        "glaswap_kernels", os.path.join(root, "__init__.py"), submodule_search_locations=[root])
-    pkg = importlib.util.module_from_spec(spec)
-    sys.modules["glaswap_kernels"] = pkg
-    if os.path.exists(os.path.join(root, "__init__.py")):
-        spec.loader.exec_module(pkg)
-    return importlib.import_module("glaswap_kernels.gla_triton")
-
-
-gla_triton = _import_kernels()
-gla_torch = importlib.import_module("glaswap_kernels.gla_torch")
 fused_chunk_gla = gla_triton.fused_chunk_gla
 fused_recurrent_gla = gla_triton.fused_recurrent_gla
 recurrent_gla_torch = gla_torch.recurrent_gla_torch
@@ -289,7 +269,7 @@ def test_in_kernel_normalizer(case):
 def test_ops_normalizer_dispatch(monkeypatch, in_kernel):
     """gla_ops.chunk_gla(normalizer=True): the Triton path (ones column, or in-kernel once
     switched on) matches the PyTorch path, outputs, final state and gradients."""
-    gla_ops = importlib.import_module("glaswap_kernels.gla_ops")
+    from glaswap_kernels import gla_ops
     monkeypatch.setattr(gla_ops, "NORMALIZER_IN_KERNEL", in_kernel)
     (q, k, v, g), s0, _, do, dht = make_inputs(1, 40, 4, 2, 16, 17, h0=True)
     v = v[..., :16]
