@@ -10,6 +10,8 @@
 #   bash benchmarks/run_gpu.sh fla; LIMIT=S bash benchmarks/run_gpu.sh fla-table  # carry .carry_w
 #   bash benchmarks/run_gpu.sh norm          # the in-kernel normaliser, first GPU check
 #   bash benchmarks/run_gpu.sh regression    # the SmolLM2 1x16384 question in NOTES.md
+#   bash benchmarks/run_gpu.sh v4 [VARIANT...]  # fused feature map: tests, its bench, distill bench
+#   bash benchmarks/run_gpu.sh v4b           # + fused normaliser: all GPU tests, distill bench
 # The payload (built on a CPU machine, see NOTES.md) holds the SmolLM2 GGUF, the token
 # files of benchmarks/prepare_corpus.py and wheels (gguf, flash-linear-attention, fla-core):
 # the GPU machine has no network. glaswap is not installed there: it runs from this folder.
@@ -93,6 +95,22 @@ regression) # the open SmolLM2 1x16384 question (NOTES: "Unexplained regression"
   for v in "" "--set seg_len=0"; do
     python3 benchmarks/bench_distill.py --shapes smollm2-135m --reps 10 $v 2>&1 | tail -7
   done ;;
+v4)         # session 3: fused feature map + in-kernel normaliser by default
+  python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_feature_map.py tests/test_gla_triton.py \
+      -k "feature_map or normalizer" 2>&1 | tail -3
+  python3 benchmarks/bench_feature_map.py 2>&1 | tee "$OUT/feature_map.log"
+  for v in "${@:2}"; do python3 benchmarks/bench_feature_map.py --only "1B" $v 2>&1 | tail -3; done
+  python3 benchmarks/bench_distill.py --json "$OUT/distill_bench.json" 2>&1 | tee "$OUT/distill_bench.log" | tail -13
+  python3 benchmarks/profile_step.py --shape llama-3.2-1b --batch 8x2048 --rows 22 2>&1 \
+      | tee "$OUT/profile_step.log" | grep -A22 "## student" | head -24 ;;
+v4b)        # fused normaliser too: GPU tests (new kernels at tiny and real sizes), distill bench
+  timeout 200 python3 -m pytest -q -p no:cacheprovider tests/test_feature_map.py tests/test_normalizer.py \
+      2>&1 | tail -2
+  timeout 200 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_gla_triton.py 2>&1 | tail -2
+  timeout 260 python3 benchmarks/bench_distill.py --json "$OUT/distill_bench.json" 2>&1 \
+      | tee "$OUT/distill_bench.log" | tail -13
+  timeout 100 python3 benchmarks/profile_step.py --shape smollm2-135m --batch 8x2048 --rows 25 2>&1 \
+      | tee "$OUT/profile_step.log" | grep -A25 "## student" | head -27 ;;
 kernels2)   # GPU tests, full table, per-kernel profile at the long shapes, variants
   python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_gla_triton.py 2>&1 | tee "$OUT/gpu_tests.log" | tail -3
   python3 benchmarks/bench_kernels.py --json "$OUT/kernels.json" 2>&1 | tee "$OUT/kernels.log" | tail -17

@@ -11,24 +11,24 @@ import os
 
 import torch
 
-from .gla_torch import chunk_gla_torch, recurrent_gla_torch
+from .gla_torch import chunk_gla_torch, feature_map_torch, recurrent_gla_torch
 
 try:  # Triton is optional: a saved model must load on machines without it.
+    from .feature_map_triton import fused_feature_map
     from .gla_triton import fused_chunk_gla, fused_recurrent_gla
+    from .normalizer_triton import fused_normalize
     HAS_TRITON = True
 except Exception:  # ImportError, or a Triton too old for the kernels
-    fused_chunk_gla = fused_recurrent_gla = None
+    fused_chunk_gla = fused_recurrent_gla = fused_feature_map = fused_normalize = None
     HAS_TRITON = False
 
 BACKENDS = ("auto", "triton", "torch")
 
 # fused_chunk_gla(normalizer=True) computes the normaliser inside the kernels instead of
-# running a column of ones through every V tile (at V = 64 that column doubles the tiles:
-# 2.05 vs 1.14 ms on the H200 at 8x2048 H32). It is tested against the ones column under
-# the Triton interpreter but not yet timed or checked on a GPU; until then the Triton path
-# keeps the column (benchmarks/NOTES.md, "v3"). GLASWAP_NORMALIZER_IN_KERNEL=1 turns it on
-# (benchmarks, trials).
-NORMALIZER_IN_KERNEL = os.environ.get("GLASWAP_NORMALIZER_IN_KERNEL", "0") == "1"
+# running a column of ones through every V tile (at V = 64 that column doubles the tiles).
+# H200, 8x2048 H32 D64 fwd+bwd: 1.70 ms in the kernels against 2.05 ms with the column
+# (benchmarks/NOTES.md, "v4"). GLASWAP_NORMALIZER_IN_KERNEL=0 goes back to the column.
+NORMALIZER_IN_KERNEL = os.environ.get("GLASWAP_NORMALIZER_IN_KERNEL", "1") == "1"
 
 
 def _use_triton(x, backend):
@@ -64,6 +64,22 @@ def chunk_gla(q, k, v, g, scale=None, initial_state=None, output_final_state=Fal
     return chunk_gla_torch(q, k, with_ones(v) if normalizer else v, g, scale=scale,
                            initial_state=initial_state, output_final_state=output_final_state,
                            cu_seqlens=cu_seqlens)
+
+
+def feature_map(x, cos=None, sin=None, weight=None, softmax=True, backend="auto"):
+    """phi(x) = softmax(rope(x) W_h) over the head dimension (see gla_torch.feature_map_torch):
+    one fused Triton kernel each way on CUDA, PyTorch elsewhere and for the identity map."""
+    if softmax and x.shape[-1] % 2 == 0 and _use_triton(x, backend):
+        return fused_feature_map(x, cos, sin, weight)
+    return feature_map_torch(x, cos, sin, weight, softmax=softmax)
+
+
+def normalize(o, eps=1e-6, backend="auto"):
+    """o [..., V + 1] from a normalizer=True call -> num / (den + eps), [..., V] in o's dtype."""
+    if _use_triton(o, backend):
+        return fused_normalize(o, eps)
+    num, den = o[..., :-1], o[..., -1:]
+    return num / (den.float() + eps).to(num.dtype)
 
 
 def recurrent_gla(q, k, v, g, scale=None, initial_state=None, output_final_state=False,

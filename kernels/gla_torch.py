@@ -135,3 +135,30 @@ def chunk_gla_torch(q, k, v, g, scale=None, initial_state=None, output_final_sta
     o = o + torch.einsum("bnhrij,bnjhv->bnihrv", A, vf)
     o = (scale * o).reshape(B, N * C, H, V)[:, :T]
     return o.to(dtype), (S if output_final_state else None)
+
+
+# ---------------------------------------------------------------------------- feature map
+def rotate_half(x):
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def apply_rope(x, cos, sin):
+    """RoPE as Llama applies it: x [B, T, heads, D]; cos, sin [B or 1, T, D]."""
+    cos, sin = cos.unsqueeze(2), sin.unsqueeze(2)
+    return x * cos + rotate_half(x) * sin
+
+
+def feature_map_torch(x, cos=None, sin=None, weight=None, softmax=True):
+    """phi(x) in front of GLA: rope(x) (when cos, sin are given), then, with softmax=True,
+    softmax(rope(x) W_h) over the head dimension (W_h = weight[h], D x D; identity if None).
+    x [B, T, H, D]; weight [H, D, D]. The reference for feature_map_triton."""
+    if cos is not None:
+        x = apply_rope(x, cos, sin)
+    if not softmax:
+        return x
+    dtype = x.dtype
+    x = x.float()
+    if weight is not None:
+        x = torch.einsum("bthd,hde->bthe", x, weight.float())
+    return torch.softmax(x, dim=-1).to(dtype)

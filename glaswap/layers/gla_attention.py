@@ -18,7 +18,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from glaswap_kernels.gla_ops import HAS_TRITON, chunk_gla, recurrent_gla, with_ones
+from glaswap_kernels.gla_ops import HAS_TRITON, chunk_gla, feature_map, normalize, recurrent_gla, with_ones
+from glaswap_kernels.gla_torch import apply_rope
 
 GATES = ("lowrank", "key", "scalar")
 FEATURE_MAPS = ("identity", "softmax", "hedgehog")
@@ -40,23 +41,13 @@ class RMSNorm(nn.Module):
         return self.weight * x.to(dtype)
 
 
-def rotate_half(x):
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-
-
-def apply_rope(x, cos, sin):
-    """x [B, T, heads, D]; cos, sin [B, T, D]."""
-    cos, sin = cos.unsqueeze(2), sin.unsqueeze(2)
-    return x * cos + rotate_half(x) * sin
-
-
 class FeatureMap(nn.Module):
-    """phi(x) applied per head to q or k before the linear attention.
+    """phi(x) applied per head to q or k before the linear attention (RoPE first, if used).
 
     identity: phi(x) = x (plain GLA). softmax: softmax over the head dimension. hedgehog:
     softmax(x W) with one learned W per head, initialised to the identity, so it starts as
-    `softmax` and can learn to sharpen or mix dimensions (Hedgehog / LoLCATs).
+    `softmax` and can learn to sharpen or mix dimensions (Hedgehog / LoLCATs). On CUDA the
+    rotation, W and softmax run as one Triton kernel (`gla_ops.feature_map`).
     """
 
     def __init__(self, kind, heads, dim):
@@ -65,14 +56,9 @@ class FeatureMap(nn.Module):
         if kind == "hedgehog":
             self.weight = nn.Parameter(torch.eye(dim).repeat(heads, 1, 1))
 
-    def forward(self, x):
-        if self.kind == "identity":
-            return x
-        dtype = x.dtype
-        x = x.float()
-        if self.kind == "hedgehog":
-            x = torch.einsum("bthd,hde->bthe", x, self.weight.float())
-        return torch.softmax(x, dim=-1).to(dtype)
+    def forward(self, x, cos=None, sin=None, backend="auto"):
+        return feature_map(x, cos, sin, getattr(self, "weight", None),
+                           softmax=self.kind != "identity", backend=backend)
 
 
 class GLAAttention(nn.Module):
@@ -193,10 +179,9 @@ class GLAAttention(nn.Module):
         cfg = self.config
         B, T = q.shape[:2]
         g = self._gate(x, k)
-        if cfg.use_rope:
-            cos, sin = position_embeddings
-            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        q, k = self.q_map(q), self.k_map(k)
+        cos, sin = position_embeddings if cfg.use_rope else (None, None)
+        q = self.q_map(q, cos, sin, cfg.gla_backend)
+        k = self.k_map(k, cos, sin, cfg.gla_backend)
         if attention_mask is not None and attention_mask.dim() == 2:
             # Padded positions must not touch the state: no key, no value, no decay.
             keep = attention_mask[:, -T:].to(v.dtype)[:, :, None, None]
@@ -219,8 +204,7 @@ class GLAAttention(nn.Module):
             cache.set_recurrent_state(self.layer_idx, new_state)
         o = o.reshape(B, T, *o.shape[2:])
         if cfg.normalizer:
-            num, den = o[..., :-1], o[..., -1:]
-            o = num / (den.float() + cfg.normalizer_eps).to(num.dtype)
+            o = normalize(o, cfg.normalizer_eps, cfg.gla_backend)
         return self.o_proj(o.reshape(B, T, -1))
 
 

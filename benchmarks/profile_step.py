@@ -1,0 +1,64 @@
+"""Where a training step's GPU time goes: teacher (SDPA) against student (GLA), per op.
+
+Builds the models of bench_distill.py (random weights, bf16, LoRA r=8) and profiles a few
+steps of each with torch.profiler; prints the ops with the most device time, per step.
+
+    python benchmarks/profile_step.py --shape llama-3.2-1b --batch 8x2048
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import os
+
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+_spec = importlib.util.spec_from_file_location("bench_distill", os.path.join(HERE, "bench_distill.py"))
+bench_distill = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(bench_distill)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--shape", default="llama-3.2-1b")
+    ap.add_argument("--batch", default="8x2048")
+    ap.add_argument("--iters", type=int, default=3)
+    ap.add_argument("--rows", type=int, default=28)
+    args = ap.parse_args()
+    from torch.profiler import ProfilerActivity, profile
+
+    B, T = (int(x) for x in args.batch.split("x"))
+    teacher, student, peft_student = bench_distill.build(args.shape)
+    opt_t = torch.optim.AdamW([p for p in teacher.parameters() if p.requires_grad], lr=1e-5)
+    opt_s = torch.optim.AdamW([p for p in student.parameters() if p.requires_grad], lr=1e-5)
+    ids = torch.randint(0, bench_distill.SHAPES[args.shape]["vocab_size"], (B, T), device="cuda")
+    for name, fn in (("teacher", lambda: bench_distill.ce_step(teacher, ids, opt_t)),
+                     ("student", lambda: bench_distill.ce_step(peft_student, ids, opt_s))):
+        for _ in range(3):
+            fn()
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            for _ in range(args.iters):
+                fn()
+            torch.cuda.synchronize()
+        events = [e for e in prof.key_averages() if getattr(e, "self_device_time_total", 0) > 0]
+        events.sort(key=lambda e: -e.self_device_time_total)
+        total = sum(e.self_device_time_total for e in events) / args.iters / 1e3
+        print(f"## {name} {args.shape} {B}x{T}: {total:.1f} ms of device time per step")
+        for e in events[: args.rows]:
+            ms = e.self_device_time_total / args.iters / 1e3
+            print(f"  {ms:8.2f} ms {100 * ms / total:5.1f}%  x{e.count // args.iters:<5} {e.key[:150]}")
+        # The same time by the aten op that launched it (inclusive: nested ops overlap).
+        ops = [e for e in prof.key_averages() if e.key.startswith("aten::")
+               and getattr(e, "device_time_total", 0) > 0]
+        ops.sort(key=lambda e: -e.device_time_total)
+        print(f"## {name}: aten ops by inclusive device time")
+        for e in ops[: args.rows]:
+            ms = e.device_time_total / args.iters / 1e3
+            print(f"  {ms:8.2f} ms  x{e.count // args.iters:<5} {e.key}")
+
+
+if __name__ == "__main__":
+    main()

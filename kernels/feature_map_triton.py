@@ -1,0 +1,226 @@
+"""A fused Triton kernel for the feature map in front of GLA: RoPE, per-head matrix, softmax.
+
+    phi(x) = softmax(rope(x) W_h)     over the head dimension, one D x D matrix W_h per head
+
+It is what `gla_torch.feature_map_torch` computes (the Hedgehog map of LoLCATs; W = identity
+gives the plain softmax map), in one pass over x forward and one backward. Done in
+PyTorch the same map is ~10 element-wise passes over a [B, T, H, D] tensor forward and
+~20 backward (casts to float32 and back, the rotation's slices, the einsum's layout copies,
+softmax), which cost a 1B student step more time than the GLA kernels themselves
+(benchmarks/NOTES.md, "Where a student step goes").
+
+Shapes: x [B, T, H, D] (D even, as RoPE needs); cos, sin [B or 1, T, D]; W [H, D, D] float32,
+rows the input dimension. The output has x's dtype. Arithmetic is float32; the two matmuls
+take bf16 operands for bf16 inputs (as autocast would) and float32 ones otherwise.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+# Tests set this: the output and gradient buffers start as NaN, not zeros.
+POISON = False
+
+# Launch settings; benchmarks/bench_feature_map.py --set KEY=VALUE overrides them for trials.
+# BN: rows per block; warps; stages: software pipelining depth (1 keeps float32 D = 128
+# within shared memory); programs_per_sm: backward programs (each sums a run of blocks
+# into one dW partial).
+LAUNCH = dict(BN=64, warps=4, stages=1, programs_per_sm=4)
+
+
+@triton.jit
+def _dot(a, b, DOT_BF16: tl.constexpr):
+    if DOT_BF16:
+        return tl.dot(a.to(tl.bfloat16), b.to(tl.bfloat16))
+    else:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+
+
+@triton.jit
+def _rotated(x, cos, sin, rows, c, N, T, stride_x, stride_cb, stride_ct, i_h,
+             D: tl.constexpr, D2: tl.constexpr, ROPE: tl.constexpr):
+    """The two halves of rope(x) for a block of rows of head i_h, float32, zero outside."""
+    m = (rows < N)[:, None] & (c < D2)[None, :]
+    px = x + rows[:, None] * stride_x + i_h * D + c[None, :]
+    x1 = tl.load(px, mask=m, other=0.0).to(tl.float32)
+    x2 = tl.load(px + D2, mask=m, other=0.0).to(tl.float32)
+    if ROPE:
+        pc = (rows // T)[:, None] * stride_cb + (rows % T)[:, None] * stride_ct + c[None, :]
+        c1 = tl.load(cos + pc, mask=m, other=0.0).to(tl.float32)
+        c2 = tl.load(cos + pc + D2, mask=m, other=0.0).to(tl.float32)
+        s1 = tl.load(sin + pc, mask=m, other=0.0).to(tl.float32)
+        s2 = tl.load(sin + pc + D2, mask=m, other=0.0).to(tl.float32)
+        # rope(x) = x cos + rotate_half(x) sin, rotate_half(x) = [-x2, x1]
+        return x1 * c1 - x2 * s1, x2 * c2 + x1 * s2, c1, c2, s1, s2
+    else:
+        return x1, x2, x1, x1, x1, x1
+
+
+@triton.jit
+def _probs(r1, r2, w, i_h, stride_wh, c, e, D: tl.constexpr, D2: tl.constexpr, DOT_BF16: tl.constexpr):
+    """softmax(r W_h) of a block (columns past D are 0), and W_h's two row halves."""
+    wm = (c < D2)[:, None] & (e < D)[None, :]
+    pw = w + i_h * stride_wh + c[:, None] * D + e[None, :]
+    w1 = tl.load(pw, mask=wm, other=0.0)
+    w2 = tl.load(pw + D2 * D, mask=wm, other=0.0)
+    y = _dot(r1, w1, DOT_BF16) + _dot(r2, w2, DOT_BF16)
+    y = tl.where((e < D)[None, :], y, float("-inf"))
+    y = tl.exp(y - tl.max(y, axis=1)[:, None])
+    return y / tl.sum(y, axis=1)[:, None], w1, w2
+
+
+@triton.jit
+def _fm_fwd_kernel(x, cos, sin, w, out, N, T, stride_x, stride_cb, stride_ct, stride_wh,
+                   D: tl.constexpr, D2: tl.constexpr, BD2: tl.constexpr, BD: tl.constexpr,
+                   BN: tl.constexpr, ROPE: tl.constexpr, DOT_BF16: tl.constexpr):
+    i_n, i_h = tl.program_id(0), tl.program_id(1)
+    rows = i_n.to(tl.int64) * BN + tl.arange(0, BN)
+    c = tl.arange(0, BD2)
+    e = tl.arange(0, BD)
+    r1, r2, _, _, _, _ = _rotated(x, cos, sin, rows, c, N, T, stride_x, stride_cb, stride_ct, i_h,
+                                  D, D2, ROPE)
+    p, _, _ = _probs(r1, r2, w, i_h, stride_wh, c, e, D, D2, DOT_BF16)
+    po = out + rows[:, None] * stride_x + i_h * D + e[None, :]
+    tl.store(po, p.to(out.dtype.element_ty), mask=(rows < N)[:, None] & (e < D)[None, :])
+
+
+@triton.jit
+def _fm_bwd_kernel(x, cos, sin, w, dout, dx, dw, N, T, stride_x, stride_cb, stride_ct, stride_wh,
+                   blocks_per_program,
+                   D: tl.constexpr, D2: tl.constexpr, BD2: tl.constexpr, BD: tl.constexpr,
+                   BN: tl.constexpr, ROPE: tl.constexpr, NEED_DW: tl.constexpr,
+                   DOT_BF16: tl.constexpr):
+    """Program (i_p, i_h) recomputes and differentiates a run of row blocks of head i_h; its
+    share of dW_h goes to dw[i_p, i_h] (summed on the host: deterministic, no atomics)."""
+    i_p, i_h = tl.program_id(0), tl.program_id(1)
+    c = tl.arange(0, BD2)
+    e = tl.arange(0, BD)
+    dw1 = tl.zeros([BD2, BD], dtype=tl.float32)
+    dw2 = tl.zeros([BD2, BD], dtype=tl.float32)
+    for j in range(blocks_per_program):
+        rows = (i_p.to(tl.int64) * blocks_per_program + j) * BN + tl.arange(0, BN)
+        r1, r2, c1, c2, s1, s2 = _rotated(x, cos, sin, rows, c, N, T, stride_x, stride_cb, stride_ct,
+                                          i_h, D, D2, ROPE)
+        p, w1, w2 = _probs(r1, r2, w, i_h, stride_wh, c, e, D, D2, DOT_BF16)
+        m = (rows < N)[:, None] & (e < D)[None, :]
+        do = tl.load(dout + rows[:, None] * stride_x + i_h * D + e[None, :], mask=m, other=0.0)
+        do = do.to(tl.float32)
+        dy = p * (do - tl.sum(p * do, axis=1)[:, None])      # softmax backward; 0 on padding
+        if NEED_DW:
+            dw1 += _dot(tl.trans(r1), dy, DOT_BF16)
+            dw2 += _dot(tl.trans(r2), dy, DOT_BF16)
+        dr1 = _dot(dy, tl.trans(w1), DOT_BF16)
+        dr2 = _dot(dy, tl.trans(w2), DOT_BF16)
+        if ROPE:  # the rotation's transpose
+            dx1 = dr1 * c1 + dr2 * s2
+            dx2 = dr2 * c2 - dr1 * s1
+        else:
+            dx1, dx2 = dr1, dr2
+        mh = (rows < N)[:, None] & (c < D2)[None, :]
+        pdx = dx + rows[:, None] * stride_x + i_h * D + c[None, :]
+        tl.store(pdx, dx1.to(dx.dtype.element_ty), mask=mh)
+        tl.store(pdx + D2, dx2.to(dx.dtype.element_ty), mask=mh)
+    if NEED_DW:
+        wm = (c < D2)[:, None] & (e < D)[None, :]
+        pw = dw + (i_p * tl.num_programs(1) + i_h).to(tl.int64) * D * D + c[:, None] * D + e[None, :]
+        tl.store(pw, dw1, mask=wm)
+        tl.store(pw + D2 * D, dw2, mask=wm)
+
+
+def _launch_shape(D):
+    D2 = D // 2
+    return D2, max(16, triton.next_power_of_2(D2)), max(16, triton.next_power_of_2(D))
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(index):
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def _new(like, shape=None, dtype=None):
+    shape = like.shape if shape is None else shape
+    dtype = like.dtype if dtype is None else dtype
+    if POISON:
+        return torch.full(shape, float("nan"), dtype=dtype, device=like.device)
+    return torch.empty(shape, dtype=dtype, device=like.device)
+
+
+class _FusedFeatureMap(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, cos, sin, w, need_dw):
+        B, T, H, D = x.shape
+        N = B * T
+        D2, BD2, BD = _launch_shape(D)
+        rope = cos is not None
+        if rope:
+            cos, sin = (t.expand(B, T, D) for t in (cos, sin))
+            if cos.stride(-1) != 1 or sin.stride() != cos.stride():
+                cos, sin = cos.contiguous(), sin.contiguous()
+            stride_cb, stride_ct = cos.stride(0), cos.stride(1)
+        else:
+            cos = sin = x
+            stride_cb = stride_ct = 0
+        out = _new(x)
+        BN = LAUNCH["BN"]
+        _fm_fwd_kernel[(triton.cdiv(N, BN), H)](
+            x, cos, sin, w, out, N, T, H * D, stride_cb, stride_ct, w.stride(0),
+            D=D, D2=D2, BD2=BD2, BD=BD, BN=BN, ROPE=rope, DOT_BF16=x.dtype == torch.bfloat16,
+            num_warps=LAUNCH["warps"], num_stages=LAUNCH["stages"])
+        ctx.save_for_backward(x, cos, sin, w)
+        ctx.meta = (rope, stride_cb, stride_ct, need_dw)
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        x, cos, sin, w = ctx.saved_tensors
+        rope, stride_cb, stride_ct, need_dw = ctx.meta
+        B, T, H, D = x.shape
+        N = B * T
+        D2, BD2, BD = _launch_shape(D)
+        dout = dout.contiguous()
+        BN = LAUNCH["BN"]
+        blocks = triton.cdiv(N, BN)
+        # Enough programs to fill the GPU, few enough that the dW partials
+        # (one D x D per program) stay small.
+        sms = _sm_count(x.device.index) if x.is_cuda else 4
+        programs = max(1, min(blocks, triton.cdiv(LAUNCH["programs_per_sm"] * sms, H)))
+        per_program = triton.cdiv(blocks, programs)
+        programs = triton.cdiv(blocks, per_program)
+        dx = _new(x)
+        dw = _new(x, (programs, H, D, D), torch.float32) if need_dw else x
+        _fm_bwd_kernel[(programs, H)](
+            x, cos, sin, w, dout, dx, dw, N, T, H * D, stride_cb, stride_ct, w.stride(0), per_program,
+            D=D, D2=D2, BD2=BD2, BD=BD, BN=BN, ROPE=rope, NEED_DW=need_dw,
+            DOT_BF16=x.dtype == torch.bfloat16, num_warps=LAUNCH["warps"], num_stages=LAUNCH["stages"])
+        dw = dw.sum(0) if need_dw else None
+        return dx, None, None, dw, None
+
+
+def fused_feature_map(x, cos=None, sin=None, weight=None):
+    """softmax(rope(x) W_h) over the last dimension: x [B, T, H, D]; cos, sin [B or 1, T, D]
+    or None (no rotation); weight [H, D, D] (float32, differentiable) or None (identity: the
+    plain softmax map). Returns [B, T, H, D] in x's dtype."""
+    if x.dim() != 4 or x.shape[-1] % 2:
+        raise ValueError(f"fused_feature_map wants x [B, T, H, D] with D even, got {tuple(x.shape)}")
+    B, T, H, D = x.shape
+    if (cos is None) != (sin is None):
+        raise ValueError("fused_feature_map: give both cos and sin, or neither")
+    if cos is not None and (cos.shape[-2:] != (T, D) or cos.dim() != 3 or cos.shape[0] not in (1, B)):
+        raise ValueError(f"fused_feature_map: cos/sin must be [B or 1, T, D] = [{B}, {T}, {D}], "
+                         f"got {tuple(cos.shape)}")
+    need_dw = weight is not None and weight.requires_grad
+    if weight is None:
+        w = torch.eye(D, device=x.device, dtype=torch.float32)[None]
+        w = w.expand(H, D, D)  # stride 0 over heads: one identity for all
+    else:
+        if weight.shape != (H, D, D):
+            raise ValueError(f"fused_feature_map: weight must be [H, D, D] = [{H}, {D}, {D}], "
+                             f"got {tuple(weight.shape)}")
+        w = weight.float()
+    if w.stride(-1) != 1 or w.stride(-2) != D:
+        w = w.contiguous()
+    return _FusedFeatureMap.apply(x.contiguous(), cos, sin, w, need_dw)

@@ -1,0 +1,95 @@
+"""The GLA normaliser's division as one Triton kernel each way.
+
+With the normaliser, the GLA kernels return o with V + 1 columns: the numerator (V columns)
+and the denominator (the last one). The layer's output is their ratio,
+
+    out = num / (den + eps),
+
+which PyTorch spends a slice, casts, a division forward and a division plus two slice
+backwards (each a zero-fill and a copy) backward on: ~6 passes over a [B, T, H, V] tensor
+per layer. Here it is one pass forward (read V + 1 columns, write V) and one backward (read
+the incoming gradient and o, write the V + 1 column gradient):
+
+    d num = d out / (den + eps)
+    d den = -sum_v d out * num / (den + eps)^2
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+POISON = False  # tests: output buffers start as NaN
+
+_ROWS = 64
+
+
+@triton.jit
+def _load_rows(o, rows, cols, n_rows, V: tl.constexpr):
+    """num [rows, BV] and den [rows] (float32) of rows of the [n_rows, V + 1] tensor o."""
+    m = (rows < n_rows)[:, None] & (cols < V)[None, :]
+    num = tl.load(o + rows[:, None] * (V + 1) + cols[None, :], mask=m, other=0.0).to(tl.float32)
+    den = tl.load(o + rows * (V + 1) + V, mask=rows < n_rows, other=1.0).to(tl.float32)
+    return num, den, m
+
+
+@triton.jit
+def _normalize_fwd_kernel(o, out, n_rows, eps, V: tl.constexpr, BV: tl.constexpr, BR: tl.constexpr):
+    rows = tl.program_id(0).to(tl.int64) * BR + tl.arange(0, BR)
+    cols = tl.arange(0, BV)
+    num, den, m = _load_rows(o, rows, cols, n_rows, V)
+    y = num / (den + eps)[:, None]
+    tl.store(out + rows[:, None] * V + cols[None, :], y.to(out.dtype.element_ty), mask=m)
+
+
+@triton.jit
+def _normalize_bwd_kernel(o, dout, do, n_rows, eps, V: tl.constexpr, BV: tl.constexpr, BR: tl.constexpr):
+    rows = tl.program_id(0).to(tl.int64) * BR + tl.arange(0, BR)
+    cols = tl.arange(0, BV)
+    num, den, m = _load_rows(o, rows, cols, n_rows, V)
+    dy = tl.load(dout + rows[:, None] * V + cols[None, :], mask=m, other=0.0).to(tl.float32)
+    inv = 1.0 / (den + eps)
+    dnum = dy * inv[:, None]
+    dden = -tl.sum(dnum * num, axis=1) * inv
+    tl.store(do + rows[:, None] * (V + 1) + cols[None, :], dnum.to(do.dtype.element_ty), mask=m)
+    tl.store(do + rows * (V + 1) + V, dden.to(do.dtype.element_ty), mask=rows < n_rows)
+
+
+def _new(shape, like):
+    if POISON:
+        return torch.full(shape, float("nan"), dtype=like.dtype, device=like.device)
+    return torch.empty(shape, dtype=like.dtype, device=like.device)
+
+
+class _Normalize(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, o, eps):
+        V = o.shape[-1] - 1
+        rows = o.numel() // (V + 1)
+        out = _new(o.shape[:-1] + (V,), o)
+        BV = max(16, triton.next_power_of_2(V))
+        _normalize_fwd_kernel[(triton.cdiv(rows, _ROWS),)](o, out, rows, eps, V=V, BV=BV, BR=_ROWS,
+                                                          num_warps=4)
+        ctx.save_for_backward(o)
+        ctx.eps = eps
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        (o,) = ctx.saved_tensors
+        V = o.shape[-1] - 1
+        rows = o.numel() // (V + 1)
+        do = _new(o.shape, o)
+        BV = max(16, triton.next_power_of_2(V))
+        _normalize_bwd_kernel[(triton.cdiv(rows, _ROWS),)](o, dout.contiguous(), do, rows, ctx.eps,
+                                                          V=V, BV=BV, BR=_ROWS, num_warps=4)
+        return do, None
+
+
+def fused_normalize(o, eps=1e-6):
+    """o [..., V + 1] (numerator columns, then the denominator) -> o[..., :V] / (o[..., V] + eps),
+    in o's dtype, computed in float32."""
+    if o.shape[-1] < 2:
+        raise ValueError(f"fused_normalize wants [..., V + 1] with V >= 1, got {tuple(o.shape)}")
+    return _Normalize.apply(o.contiguous(), float(eps))

@@ -1,0 +1,147 @@
+"""The fused feature-map kernel (RoPE, per-head matrix, softmax) against its PyTorch form.
+
+Under the Triton interpreter on CPU at tiny shapes; the `gpu` test repeats it at a 1B
+model's shape in bf16. Output and the gradients of x and W are compared by relative RMS;
+the kernel's buffers start as NaN so a row or column it forgets to write fails.
+"""
+
+import os
+
+import pytest
+import torch
+
+from glaswap_kernels import feature_map_triton
+from glaswap_kernels.gla_torch import feature_map_torch
+
+CUDA = torch.cuda.is_available()
+DEVICE = "cuda" if CUDA else "cpu"
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+pytestmark = [pytest.mark.skipif(not (CUDA or INTERPRETED), reason="needs CUDA or TRITON_INTERPRET=1"),
+              pytest.mark.filterwarnings("ignore:Conversion of an array with ndim:DeprecationWarning")]
+
+
+@pytest.fixture(autouse=True)
+def _poison(monkeypatch):
+    monkeypatch.setattr(feature_map_triton, "POISON", True)
+
+
+def rel(x, ref):
+    x, ref = x.double(), ref.double()
+    return ((x - ref).norm() / ref.norm().clamp_min(1e-300)).item()
+
+
+def rope_tables(B, T, D, gen):
+    """cos, sin [B, T, D]. Llama's tables repeat one half (cat(freqs, freqs)); these angles
+    differ in every column, so a kernel that mixes up the halves' cos or sin fails."""
+    ang = 6.3 * torch.rand(B, T, D, generator=gen, dtype=torch.float64)
+    return ang.cos().float(), ang.sin().float()
+
+
+def run(x, cos, sin, w, do, fn):
+    x = x.clone().requires_grad_(True)
+    w = None if w is None else w.clone().requires_grad_(True)
+    y = fn(x, cos, sin, w)
+    (y.float() * do).sum().backward()
+    return y, x.grad, None if w is None else w.grad
+
+
+def check(B, T, H, D, rope=True, weight=True, dtype=torch.float32, cos_batch=None, seed=0, tol=None):
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(B, T, H, D, generator=gen)
+    w = torch.eye(D).repeat(H, 1, 1) + 0.3 * torch.randn(H, D, D, generator=gen) if weight else None
+    cos, sin = rope_tables(cos_batch or B, T, D, gen) if rope else (None, None)
+    do = torch.randn(B, T, H, D, generator=gen)
+    ref = run(x.double(), *(None if t is None else t.double() for t in (cos, sin, w)), do.double(),
+              feature_map_torch)
+    to = lambda t: None if t is None else t.to(DEVICE)
+    got = run(x.to(DEVICE, dtype), to(cos), to(sin), to(w), do.to(DEVICE),
+              feature_map_triton.fused_feature_map)
+    tol = tol or {torch.float32: 1e-5, torch.bfloat16: 2e-2}[dtype]
+    names = ("phi", "dx", "dW")
+    for name, a, b in zip(names, got, ref):
+        if b is None:
+            assert a is None
+            continue
+        assert a.shape == b.shape and a.dtype == (dtype if name != "dW" else torch.float32)
+        assert torch.isfinite(a).all(), f"{name}: non-finite values (unwritten memory?)"
+        err = rel(a.cpu(), b)
+        assert err < tol, f"{name}: relative RMS {err:.2e} >= {tol:.0e}"
+
+
+@pytest.mark.parametrize("D", [16, 24, 48, 64, 80])
+def test_fused_feature_map_head_dims(D):
+    check(2, 37, 3, D)  # 74 rows: one full block of 64 and a partial one
+
+
+def test_fused_feature_map_one_token_and_broadcast_rope():
+    check(1, 1, 2, 32)
+    check(3, 5, 2, 32, cos_batch=1)  # cos/sin [1, T, D] shared by the batch
+
+
+def test_fused_feature_map_several_blocks_per_program():
+    # 197 rows, 8 heads: the backward gives each program two row blocks and sums dW partials.
+    check(1, 197, 8, 32, seed=1)
+
+
+@pytest.mark.parametrize("rope,weight", [(False, True), (True, False), (False, False)])
+def test_fused_feature_map_without_rope_or_weight(rope, weight):
+    check(2, 21, 2, 48, rope=rope, weight=weight)
+
+
+def test_fused_feature_map_bf16():
+    check(2, 70, 2, 64, dtype=torch.bfloat16)
+
+
+def test_fused_feature_map_frozen_weight_and_errors():
+    x = torch.randn(1, 4, 2, 16, device=DEVICE, requires_grad=True)
+    w = torch.eye(16).repeat(2, 1, 1).to(DEVICE)  # no grad: dW is not computed
+    y = feature_map_triton.fused_feature_map(x, None, None, w)
+    y.sum().backward()
+    assert x.grad is not None and torch.isfinite(x.grad).all()
+    with pytest.raises(ValueError, match="D even"):
+        feature_map_triton.fused_feature_map(torch.randn(1, 2, 2, 15, device=DEVICE))
+    with pytest.raises(ValueError, match=r"weight must be \[H, D, D\]"):
+        feature_map_triton.fused_feature_map(x, None, None, torch.randn(3, 16, 16, device=DEVICE))
+    with pytest.raises(ValueError, match="cos/sin"):
+        feature_map_triton.fused_feature_map(x, torch.randn(1, 5, 16), torch.randn(1, 5, 16))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
+def test_gpu_fused_feature_map_bf16_real_size():
+    # Llama-3.2-1B queries for 2 x 2048 tokens, and its keys (8 KV heads).
+    check(2, 2048, 32, 64, dtype=torch.bfloat16, cos_batch=1)
+    check(2, 2048, 8, 64, dtype=torch.bfloat16)
+    check(1, 4096, 16, 128, dtype=torch.bfloat16)
+
+
+def test_layer_triton_path_matches_torch_path():
+    """A whole converted model (hedgehog maps, low-rank gate, normaliser, GQA, head dim 24):
+    the Triton path (fused feature map, GLA kernels, fused normaliser) against the PyTorch
+    path, logits and the gradient of every parameter."""
+    from glaswap.convert import glaswap_config
+    from glaswap.models.modeling_glaswap import GLASwapForCausalLM
+    from helpers import tiny_teacher
+
+    teacher = tiny_teacher("llama", layers=1)
+    torch.manual_seed(0)
+    student = GLASwapForCausalLM(glaswap_config(teacher.config.to_dict()))
+    student.load_state_dict(teacher.state_dict(), strict=False)
+    with torch.no_grad():  # move the new parameters off their identity/zero start
+        for name, p in student.named_parameters():
+            if "map" in name or "gate" in name:
+                p.add_(0.05 * torch.randn(p.shape, generator=torch.Generator().manual_seed(len(name))))
+    student = student.to(DEVICE)
+    ids = torch.randint(0, 128, (2, 21), generator=torch.Generator().manual_seed(3)).to(DEVICE)
+    results = []
+    for backend in ("torch", "triton"):
+        student.config.gla_backend = backend
+        student.zero_grad()
+        logits = student(ids, use_cache=False).logits
+        logits.float().pow(2).mean().backward()
+        results.append((logits.detach(), {n: p.grad.clone() for n, p in student.named_parameters()}))
+    (ref_logits, ref_grads), (logits, grads) = results
+    assert rel(logits.cpu(), ref_logits.cpu()) < 1e-5
+    for name, g in ref_grads.items():
+        assert torch.isfinite(grads[name]).all(), name
+        assert rel(grads[name].cpu(), g.cpu()) < 1e-4, name
