@@ -100,12 +100,16 @@ def main():
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--json")
     ap.add_argument("--set", action="append", metavar="KEY=VALUE",
-                    help="kernel launch override (gla_triton._Config attribute), as in bench_kernels.py")
+                    help="kernel launch override: a gla_triton._Config attribute (as in bench_kernels.py) "
+                         "or a feature_map_triton.LAUNCH key (e.g. split_dw=1)")
     args = ap.parse_args()
-    from glaswap_kernels import gla_triton
+    from glaswap_kernels import feature_map_triton, gla_triton
     for item in args.set or []:
         key, _, value = item.partition("=")
-        gla_triton.OVERRIDES[key] = int(value) if value.lstrip("-").isdigit() else value
+        value = int(value) if value.lstrip("-").isdigit() else value
+        # feature-map kernel settings by name, the rest are GLA kernel overrides
+        target = feature_map_triton.LAUNCH if key in feature_map_triton.LAUNCH else gla_triton.OVERRIDES
+        target[key] = value
     rows = []
     for shape in args.shapes.split(","):
         teacher, student, peft_student = build(shape)

@@ -12,6 +12,7 @@
 #   bash benchmarks/run_gpu.sh regression    # the SmolLM2 1x16384 question in NOTES.md
 #   bash benchmarks/run_gpu.sh v4 [VARIANT...]  # fused feature map: tests, its bench, distill bench
 #   bash benchmarks/run_gpu.sh v4b           # + fused normaliser: all GPU tests, distill bench
+#   bash benchmarks/run_gpu.sh next          # the split-dW feature-map backward, timed
 # The payload (built on a CPU machine, see NOTES.md) holds the SmolLM2 GGUF, the token
 # files of benchmarks/prepare_corpus.py and wheels (gguf, flash-linear-attention, fla-core):
 # the GPU machine has no network. glaswap is not installed there: it runs from this folder.
@@ -111,6 +112,14 @@ v4b)        # fused normaliser too: GPU tests (new kernels at tiny and real size
       | tee "$OUT/distill_bench.log" | tail -13
   timeout 100 python3 benchmarks/profile_step.py --shape smollm2-135m --batch 8x2048 --rows 25 2>&1 \
       | tee "$OUT/profile_step.log" | grep -A25 "## student" | head -27 ;;
+next)       # session 4's first call: the feature map's split-dW backward (and 8 warps), timed
+  python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_feature_map.py 2>&1 | tail -2
+  for v in "" "--set split_dw=1" "--set split_dw=1 --set warps=8"; do
+    echo "### feature map: ${v:-defaults}"; python3 benchmarks/bench_feature_map.py $v 2>&1 | tail -6
+  done
+  for v in "" "--set split_dw=1"; do
+    python3 benchmarks/bench_distill.py --shapes llama-3.2-1b $v 2>&1 | tail -7
+  done ;;
 kernels2)   # GPU tests, full table, per-kernel profile at the long shapes, variants
   python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_gla_triton.py 2>&1 | tee "$OUT/gpu_tests.log" | tail -3
   python3 benchmarks/bench_kernels.py --json "$OUT/kernels.json" 2>&1 | tee "$OUT/kernels.log" | tail -17

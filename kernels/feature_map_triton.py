@@ -29,7 +29,11 @@ POISON = False
 # BN: rows per block; warps; stages: software pipelining depth (1 keeps float32 D = 128
 # within shared memory); programs_per_sm: backward programs (each sums a run of blocks
 # into one dW partial).
-LAUNCH = dict(BN=64, warps=4, stages=1, programs_per_sm=4)
+# split_dw: 0 sums dW inside the backward kernel (per-program partials; measured on the
+# H200: 0.67 ms f+b at a 1B model's queries, the kernel spilling 1.6 KB of registers), 1
+# stores rope(x) and dy instead and computes dW with one batched matmul (ptxas: no spills
+# at 8 warps; more memory traffic; not yet timed on a GPU).
+LAUNCH = dict(BN=64, warps=4, stages=1, programs_per_sm=4, split_dw=0)
 
 
 @triton.jit
@@ -89,13 +93,15 @@ def _fm_fwd_kernel(x, cos, sin, w, out, N, T, stride_x, stride_cb, stride_ct, st
 
 
 @triton.jit
-def _fm_bwd_kernel(x, cos, sin, w, dout, dx, dw, N, T, stride_x, stride_cb, stride_ct, stride_wh,
-                   blocks_per_program,
+def _fm_bwd_kernel(x, cos, sin, w, dout, dx, dw, rbuf, dybuf, N, T, stride_x, stride_cb, stride_ct,
+                   stride_wh, blocks_per_program,
                    D: tl.constexpr, D2: tl.constexpr, BD2: tl.constexpr, BD: tl.constexpr,
-                   BN: tl.constexpr, ROPE: tl.constexpr, NEED_DW: tl.constexpr,
+                   BN: tl.constexpr, ROPE: tl.constexpr, DW_MODE: tl.constexpr,
                    DOT_BF16: tl.constexpr):
-    """Program (i_p, i_h) recomputes and differentiates a run of row blocks of head i_h; its
-    share of dW_h goes to dw[i_p, i_h] (summed on the host: deterministic, no atomics)."""
+    """Program (i_p, i_h) recomputes and differentiates a run of row blocks of head i_h.
+    DW_MODE 0: no dW. 1: its share of dW_h goes to dw[i_p, i_h] (summed on the host:
+    deterministic, no atomics). 2: it stores rope(x) and dy = d(xW) to rbuf, dybuf, and the
+    host computes dW_h = sum_rows rope(x)^T dy as one batched matmul: no accumulators here."""
     i_p, i_h = tl.program_id(0), tl.program_id(1)
     c = tl.arange(0, BD2)
     e = tl.arange(0, BD)
@@ -110,9 +116,16 @@ def _fm_bwd_kernel(x, cos, sin, w, dout, dx, dw, N, T, stride_x, stride_cb, stri
         do = tl.load(dout + rows[:, None] * stride_x + i_h * D + e[None, :], mask=m, other=0.0)
         do = do.to(tl.float32)
         dy = p * (do - tl.sum(p * do, axis=1)[:, None])      # softmax backward; 0 on padding
-        if NEED_DW:
+        mh = (rows < N)[:, None] & (c < D2)[None, :]
+        if DW_MODE == 1:
             dw1 += _dot(tl.trans(r1), dy, DOT_BF16)
             dw2 += _dot(tl.trans(r2), dy, DOT_BF16)
+        if DW_MODE == 2:
+            pr = rbuf + rows[:, None] * stride_x + i_h * D + c[None, :]
+            tl.store(pr, r1.to(rbuf.dtype.element_ty), mask=mh)
+            tl.store(pr + D2, r2.to(rbuf.dtype.element_ty), mask=mh)
+            tl.store(dybuf + rows[:, None] * stride_x + i_h * D + e[None, :],
+                     dy.to(dybuf.dtype.element_ty), mask=m)
         dr1 = _dot(dy, tl.trans(w1), DOT_BF16)
         dr2 = _dot(dy, tl.trans(w2), DOT_BF16)
         if ROPE:  # the rotation's transpose
@@ -120,11 +133,10 @@ def _fm_bwd_kernel(x, cos, sin, w, dout, dx, dw, N, T, stride_x, stride_cb, stri
             dx2 = dr2 * c2 - dr1 * s1
         else:
             dx1, dx2 = dr1, dr2
-        mh = (rows < N)[:, None] & (c < D2)[None, :]
         pdx = dx + rows[:, None] * stride_x + i_h * D + c[None, :]
         tl.store(pdx, dx1.to(dx.dtype.element_ty), mask=mh)
         tl.store(pdx + D2, dx2.to(dx.dtype.element_ty), mask=mh)
-    if NEED_DW:
+    if DW_MODE == 1:
         wm = (c < D2)[:, None] & (e < D)[None, :]
         pw = dw + (i_p * tl.num_programs(1) + i_h).to(tl.int64) * D * D + c[:, None] * D + e[None, :]
         tl.store(pw, dw1, mask=wm)
@@ -187,16 +199,27 @@ class _FusedFeatureMap(torch.autograd.Function):
         # Enough programs to fill the GPU, few enough that the dW partials
         # (one D x D per program) stay small.
         sms = _sm_count(x.device.index) if x.is_cuda else 4
-        programs = max(1, min(blocks, triton.cdiv(LAUNCH["programs_per_sm"] * sms, H)))
-        per_program = triton.cdiv(blocks, programs)
-        programs = triton.cdiv(blocks, per_program)
+        mode = 0 if not need_dw else (2 if LAUNCH["split_dw"] else 1)
+        if mode == 1:
+            programs = max(1, min(blocks, triton.cdiv(LAUNCH["programs_per_sm"] * sms, H)))
+            per_program = triton.cdiv(blocks, programs)
+            programs = triton.cdiv(blocks, per_program)
+        else:  # no partials to keep few: one block per program
+            programs, per_program = blocks, 1
         dx = _new(x)
-        dw = _new(x, (programs, H, D, D), torch.float32) if need_dw else x
+        dw = _new(x, (programs, H, D, D), torch.float32) if mode == 1 else x
+        rbuf, dybuf = (_new(x), _new(x)) if mode == 2 else (x, x)
         _fm_bwd_kernel[(programs, H)](
-            x, cos, sin, w, dout, dx, dw, N, T, H * D, stride_cb, stride_ct, w.stride(0), per_program,
-            D=D, D2=D2, BD2=BD2, BD=BD, BN=BN, ROPE=rope, NEED_DW=need_dw,
+            x, cos, sin, w, dout, dx, dw, rbuf, dybuf, N, T, H * D, stride_cb, stride_ct, w.stride(0),
+            per_program, D=D, D2=D2, BD2=BD2, BD=BD, BN=BN, ROPE=rope, DW_MODE=mode,
             DOT_BF16=x.dtype == torch.bfloat16, num_warps=LAUNCH["warps"], num_stages=LAUNCH["stages"])
-        dw = dw.sum(0) if need_dw else None
+        if mode == 1:
+            dw = dw.sum(0)
+        elif mode == 2:  # [H, D, N] @ [H, N, D], float32 accumulation inside the matmul
+            dw = torch.bmm(rbuf.view(N, H, D).permute(1, 2, 0), dybuf.view(N, H, D).transpose(0, 1))
+            dw = dw.float()
+        else:
+            dw = None
         return dx, None, None, dw, None
 
 

@@ -88,6 +88,14 @@ def test_fused_feature_map_without_rope_or_weight(rope, weight):
     check(2, 21, 2, 48, rope=rope, weight=weight)
 
 
+@pytest.mark.parametrize("D", [24, 64])
+def test_fused_feature_map_split_dw(monkeypatch, D):
+    """dW from stored rope(x) and dy with one batched matmul instead of in-kernel partials."""
+    monkeypatch.setitem(feature_map_triton.LAUNCH, "split_dw", 1)
+    check(1, 197, 8, D, seed=2)
+    check(2, 5, 3, D, rope=False)
+
+
 def test_fused_feature_map_bf16():
     check(2, 70, 2, 64, dtype=torch.bfloat16)
 
@@ -108,8 +116,10 @@ def test_fused_feature_map_frozen_weight_and_errors():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="needs CUDA")
-def test_gpu_fused_feature_map_bf16_real_size():
+@pytest.mark.parametrize("split_dw", [0, 1])
+def test_gpu_fused_feature_map_bf16_real_size(monkeypatch, split_dw):
     # Llama-3.2-1B queries for 2 x 2048 tokens, and its keys (8 KV heads).
+    monkeypatch.setitem(feature_map_triton.LAUNCH, "split_dw", split_dw)
     check(2, 2048, 32, 64, dtype=torch.bfloat16, cos_batch=1)
     check(2, 2048, 8, 64, dtype=torch.bfloat16)
     check(1, 4096, 16, 128, dtype=torch.bfloat16)
