@@ -97,15 +97,15 @@ regression) # the open SmolLM2 1x16384 question (NOTES: "Unexplained regression"
     python3 benchmarks/bench_distill.py --shapes smollm2-135m --reps 10 $v 2>&1 | tail -7
   done ;;
 v4)         # session 3: fused feature map + in-kernel normaliser by default
-  python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_feature_map.py tests/test_gla_triton.py \
-      -k "feature_map or normalizer" 2>&1 | tail -3
+  python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_layer_kernels.py tests/test_gla_triton.py \
+      -k "feature_map or normaliz" 2>&1 | tail -3
   python3 benchmarks/bench_feature_map.py 2>&1 | tee "$OUT/feature_map.log"
   for v in "${@:2}"; do python3 benchmarks/bench_feature_map.py --only "1B" $v 2>&1 | tail -3; done
   python3 benchmarks/bench_distill.py --json "$OUT/distill_bench.json" 2>&1 | tee "$OUT/distill_bench.log" | tail -13
   python3 benchmarks/profile_step.py --shape llama-3.2-1b --batch 8x2048 --rows 22 2>&1 \
       | tee "$OUT/profile_step.log" | grep -A22 "## student" | head -24 ;;
 v4b)        # fused normaliser too: GPU tests (new kernels at tiny and real sizes), distill bench
-  timeout 200 python3 -m pytest -q -p no:cacheprovider tests/test_feature_map.py tests/test_normalizer.py \
+  timeout 200 python3 -m pytest -q -p no:cacheprovider tests/test_layer_kernels.py \
       2>&1 | tail -2
   timeout 200 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_gla_triton.py 2>&1 | tail -2
   timeout 260 python3 benchmarks/bench_distill.py --json "$OUT/distill_bench.json" 2>&1 \
@@ -113,7 +113,7 @@ v4b)        # fused normaliser too: GPU tests (new kernels at tiny and real size
   timeout 100 python3 benchmarks/profile_step.py --shape smollm2-135m --batch 8x2048 --rows 25 2>&1 \
       | tee "$OUT/profile_step.log" | grep -A25 "## student" | head -27 ;;
 next)       # session 4's first call: the feature map's split-dW backward (and 8 warps), timed
-  python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_feature_map.py 2>&1 | tail -2
+  python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_layer_kernels.py 2>&1 | tail -2
   for v in "" "--set split_dw=1" "--set split_dw=1 --set warps=8"; do
     echo "### feature map: ${v:-defaults}"; python3 benchmarks/bench_feature_map.py $v 2>&1 | tail -6
   done

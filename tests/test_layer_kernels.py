@@ -1,8 +1,9 @@
-"""The fused feature-map kernel (RoPE, per-head matrix, softmax) against its PyTorch form.
+"""The kernels around the GLA kernel in a converted model, against their PyTorch forms:
+the fused feature map (RoPE, per-head matrix, softmax) and the normaliser's division.
 
-Under the Triton interpreter on CPU at tiny shapes; the `gpu` test repeats it at a 1B
-model's shape in bf16. Output and the gradients of x and W are compared by relative RMS;
-the kernel's buffers start as NaN so a row or column it forgets to write fails.
+Under the Triton interpreter on CPU at tiny shapes; the `gpu` tests repeat them at a 1B
+model's shapes in bf16. Outputs and gradients are compared by relative RMS; the kernels'
+buffers start as NaN so a row or column they forget to write fails.
 """
 
 import os
@@ -10,7 +11,8 @@ import os
 import pytest
 import torch
 
-from glaswap_kernels import feature_map_triton
+from glaswap_kernels import feature_map_triton, normalizer_triton
+from glaswap_kernels.gla_ops import normalize
 from glaswap_kernels.gla_torch import feature_map_torch
 
 CUDA = torch.cuda.is_available()
@@ -23,6 +25,7 @@ pytestmark = [pytest.mark.skipif(not (CUDA or INTERPRETED), reason="needs CUDA o
 @pytest.fixture(autouse=True)
 def _poison(monkeypatch):
     monkeypatch.setattr(feature_map_triton, "POISON", True)
+    monkeypatch.setattr(normalizer_triton, "POISON", True)
 
 
 def rel(x, ref):
@@ -155,3 +158,39 @@ def test_layer_triton_path_matches_torch_path():
     for name, g in ref_grads.items():
         assert torch.isfinite(grads[name]).all(), name
         assert rel(grads[name].cpu(), g.cpu()) < 1e-4, name
+
+
+# ------------------------------------------------------------------ normaliser division
+def check_normalize(shape, V, dtype, tol, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    num = torch.randn(*shape, V, generator=gen)
+    den = torch.rand(*shape, 1, generator=gen) * 3 + 0.05   # positive, as positive feature maps give
+    o = torch.cat([num, den], dim=-1)
+    dout = torch.randn(*shape, V, generator=gen)
+    ref_o = o.double().requires_grad_()
+    ref = normalize(ref_o, 1e-6, backend="torch")
+    (ref * dout.double()).sum().backward()
+    got_o = o.to(DEVICE, dtype).requires_grad_()
+    got = normalizer_triton.fused_normalize(got_o, 1e-6)
+    (got.float() * dout.to(DEVICE)).sum().backward()
+    assert got.dtype == dtype and got.shape == ref.shape
+    for name, a, b in (("out", got, ref), ("grad", got_o.grad, ref_o.grad)):
+        assert torch.isfinite(a).all(), f"{name}: non-finite (unwritten memory?)"
+        assert rel(a.cpu(), b) < tol, f"{name}: relative RMS {rel(a.cpu(), b):.1e}"
+
+
+@pytest.mark.parametrize("V", [1, 16, 24, 64, 80])
+def test_fused_normalize(V):
+    check_normalize((2, 37, 3), V, torch.float32, 1e-6)   # 222 rows: the last block of 64 partial
+
+
+def test_fused_normalize_one_row_and_bad_shape():
+    check_normalize((1,), 48, torch.float32, 1e-6)
+    with pytest.raises(ValueError, match="V >= 1"):
+        normalizer_triton.fused_normalize(torch.ones(3, 1, device=DEVICE))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
+def test_gpu_fused_normalize_bf16():
+    check_normalize((8, 2048, 32), 64, torch.bfloat16, 1e-2)
