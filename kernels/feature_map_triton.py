@@ -19,8 +19,16 @@ from __future__ import annotations
 import functools
 
 import torch
-import triton
-import triton.language as tl
+
+try:
+    # As in gla_triton: the try block keeps transformers' remote-code import checker from
+    # requiring Triton in a saved model's folder (gla_ops falls back to PyTorch without it).
+    import triton
+    import triton.language as tl
+except ImportError:
+    raise
+
+from .gla_triton import _cdiv, _next_pow2
 
 # Tests set this: the output and gradient buffers start as NaN, not zeros.
 POISON = False
@@ -145,7 +153,7 @@ def _fm_bwd_kernel(x, cos, sin, w, dout, dx, dw, rbuf, dybuf, N, T, stride_x, st
 
 def _launch_shape(D):
     D2 = D // 2
-    return D2, max(16, triton.next_power_of_2(D2)), max(16, triton.next_power_of_2(D))
+    return D2, max(16, _next_pow2(D2)), max(16, _next_pow2(D))
 
 
 @functools.lru_cache(maxsize=None)
@@ -178,7 +186,7 @@ class _FusedFeatureMap(torch.autograd.Function):
             stride_cb = stride_ct = 0
         out = _new(x)
         BN = LAUNCH["BN"]
-        _fm_fwd_kernel[(triton.cdiv(N, BN), H)](
+        _fm_fwd_kernel[(_cdiv(N, BN), H)](
             x, cos, sin, w, out, N, T, H * D, stride_cb, stride_ct, w.stride(0),
             D=D, D2=D2, BD2=BD2, BD=BD, BN=BN, ROPE=rope, DOT_BF16=x.dtype == torch.bfloat16,
             num_warps=LAUNCH["warps"], num_stages=LAUNCH["stages"])
@@ -195,15 +203,15 @@ class _FusedFeatureMap(torch.autograd.Function):
         D2, BD2, BD = _launch_shape(D)
         dout = dout.contiguous()
         BN = LAUNCH["BN"]
-        blocks = triton.cdiv(N, BN)
+        blocks = _cdiv(N, BN)
         # Enough programs to fill the GPU, few enough that the dW partials
         # (one D x D per program) stay small.
         sms = _sm_count(x.device.index) if x.is_cuda else 4
         mode = 0 if not need_dw else (2 if LAUNCH["split_dw"] else 1)
         if mode == 1:
-            programs = max(1, min(blocks, triton.cdiv(LAUNCH["programs_per_sm"] * sms, H)))
-            per_program = triton.cdiv(blocks, programs)
-            programs = triton.cdiv(blocks, per_program)
+            programs = max(1, min(blocks, _cdiv(LAUNCH["programs_per_sm"] * sms, H)))
+            per_program = _cdiv(blocks, programs)
+            programs = _cdiv(blocks, per_program)
         else:  # no partials to keep few: one block per program
             programs, per_program = blocks, 1
         dx = _new(x)

@@ -42,6 +42,7 @@ keeps its relative precision under strong decays.
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -944,6 +945,12 @@ def _next_pow2(x: int) -> int:
     return 1 << max(0, int(x) - 1).bit_length()
 
 
+def _cdiv(a: int, b: int) -> int:
+    """Host-side ceil(a / b). triton.cdiv is a constexpr function whose call costs ~5 us on
+    the host, and a launch plan makes a dozen of them per call."""
+    return -(-a // b)
+
+
 def _new(shape, dtype, device):
     """Output buffer; full of NaN when POISON is set so unwritten entries are caught."""
     if POISON:
@@ -1047,8 +1054,13 @@ class _Segments:
 
 def _num_sms(device) -> int:
     if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).multi_processor_count
+        return _cuda_sms(device.index if device.index is not None else torch.cuda.current_device())
     return 132
+
+
+@functools.lru_cache(maxsize=None)
+def _cuda_sms(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
 
 
 class _Config:
@@ -1114,9 +1126,9 @@ class _Config:
         self.state_dtype = torch.bfloat16 if dtype == torch.bfloat16 else torch.float32
         for name, value in OVERRIDES.items():
             setattr(self, name, value)
-        self.NK_o, self.NV_o = triton.cdiv(K, self.BK_o), triton.cdiv(V, self.BV_o)
-        self.NK_g, self.NV_g = triton.cdiv(K, self.BK_g), triton.cdiv(V, self.BV_g)
-        self.NK_seq, self.NV_seq = triton.cdiv(K, self.BK_seq), triton.cdiv(V, self.BV_seq)
+        self.NK_o, self.NV_o = _cdiv(K, self.BK_o), _cdiv(V, self.BV_o)
+        self.NK_g, self.NV_g = _cdiv(K, self.BK_g), _cdiv(V, self.BV_g)
+        self.NK_seq, self.NV_seq = _cdiv(K, self.BK_seq), _cdiv(V, self.BV_seq)
         # dv inside the dq/dk/dg kernel when one program sees all of K and V.
         self.merge_dv = bool(OVERRIDES.get("merge_dv", True)) and self.NK_g == 1 and self.NV_g == 1
 
@@ -1130,8 +1142,8 @@ class _Config:
             nt_max = max(n_chunks, default=0)
             walks = len(n_chunks) * Hkv * self.NK_seq * self.NV_seq
             if walks <= self.seg_max_walks and nt_max > 2 * self.seg_min:
-                per_seq = triton.cdiv(self.seg_programs, walks)
-                seg_len = max(self.seg_min, triton.cdiv(nt_max, per_seq))
+                per_seq = _cdiv(self.seg_programs, walks)
+                seg_len = max(self.seg_min, _cdiv(nt_max, per_seq))
                 if seg_len >= nt_max:
                     seg_len = 0
         return _Segments(seg_len, n_chunks, varlen, device)
@@ -1150,9 +1162,9 @@ def _forward(q, k, v, g, scale, h0, want_ht, cu_seqlens, tiles, chunk, segment, 
         n_chunks = n_chunks.tolist()
     else:
         cu = offsets = indices = None
-        total = B * triton.cdiv(T, cfg.BT)
+        total = B * _cdiv(T, cfg.BT)
         n_entries = total + B
-        n_chunks = [triton.cdiv(T, cfg.BT)] * B
+        n_chunks = [_cdiv(T, cfg.BT)] * B
     seg = cfg.plan_segments(n_chunks, Hkv, cu is not None, q.device)
     R = H // Hkv
     q, k, v, g = (x.contiguous() for x in (q, k, v, g))
@@ -1193,7 +1205,7 @@ def _chain_segments(cfg, seg, buf, dec, segend, final, cu, offsets, indices, T, 
     """After a segmented pass: true states at the segment anchors, then at every slot.
     V here is the full state width (with the normaliser's column)."""
     IS_VARLEN = cu is not None
-    NV = triton.cdiv(V, cfg.BV_seq)
+    NV = _cdiv(V, cfg.BV_seq)
     _seg_combine_kernel[(cfg.NK_seq, NV, N * Hkv)](
         buf, dec, segend, final, cu, offsets, seg.offsets, T, seg.seg_len, seg.n_seg,
         Hkv=Hkv, K=K, V=V, BT=cfg.BT, BK=cfg.BK_seq, BV=cfg.BV_seq, REVERSE=reverse,
@@ -1308,7 +1320,7 @@ def fused_recurrent_gla(q, k, v, g, scale=None, initial_state=None, output_final
     BK = _next_pow2(K)
     # The state tile is [K, BV] fp32 in registers: keep it at <= 8K elements.
     BV = min(max(16, _next_pow2(V)), max(16, 8192 // BK))
-    _recurrent_kernel[(triton.cdiv(V, BV), B * Hkv)](
+    _recurrent_kernel[(_cdiv(V, BV), B * Hkv)](
         q, k, v, g, o, h0, ht, T, scale,
         H=H, Hkv=Hkv, K=K, V=V, BK=BK, BV=BV, R=H // Hkv,
         USE_H0=h0 is not None, STORE_HT=bool(output_final_state),

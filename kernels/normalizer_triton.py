@@ -17,8 +17,16 @@ the incoming gradient and o, write the V + 1 column gradient):
 from __future__ import annotations
 
 import torch
-import triton
-import triton.language as tl
+
+try:
+    # As in gla_triton: the try block keeps transformers' remote-code import checker from
+    # requiring Triton in a saved model's folder (gla_ops falls back to PyTorch without it).
+    import triton
+    import triton.language as tl
+except ImportError:
+    raise
+
+from .gla_triton import _cdiv, _next_pow2
 
 POISON = False  # tests: output buffers start as NaN
 
@@ -68,8 +76,8 @@ class _Normalize(torch.autograd.Function):
         V = o.shape[-1] - 1
         rows = o.numel() // (V + 1)
         out = _new(o.shape[:-1] + (V,), o)
-        BV = max(16, triton.next_power_of_2(V))
-        _normalize_fwd_kernel[(triton.cdiv(rows, _ROWS),)](o, out, rows, eps, V=V, BV=BV, BR=_ROWS,
+        BV = max(16, _next_pow2(V))
+        _normalize_fwd_kernel[(_cdiv(rows, _ROWS),)](o, out, rows, eps, V=V, BV=BV, BR=_ROWS,
                                                           num_warps=4)
         ctx.save_for_backward(o)
         ctx.eps = eps
@@ -81,8 +89,8 @@ class _Normalize(torch.autograd.Function):
         V = o.shape[-1] - 1
         rows = o.numel() // (V + 1)
         do = _new(o.shape, o)
-        BV = max(16, triton.next_power_of_2(V))
-        _normalize_bwd_kernel[(triton.cdiv(rows, _ROWS),)](o, dout.contiguous(), do, rows, ctx.eps,
+        BV = max(16, _next_pow2(V))
+        _normalize_bwd_kernel[(_cdiv(rows, _ROWS),)](o, dout.contiguous(), do, rows, ctx.eps,
                                                           V=V, BV=BV, BR=_ROWS, num_warps=4)
         return do, None
 

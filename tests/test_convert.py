@@ -65,6 +65,20 @@ assert diff == 0.0, diff
     assert "maxdiff 0.0" in proc.stdout
 
 
+def test_saved_code_loads_where_triton_is_missing(tmp_path):
+    """transformers refuses remote code whose files import a missing package outside a try
+    block; the saved kernels must import Triton inside one (gla_ops then falls back)."""
+    from transformers.dynamic_module_utils import get_imports
+
+    from glaswap.checkpoint import write_model_code
+
+    written = write_model_code(tmp_path)
+    assert {"gla_triton.py", "feature_map_triton.py", "normalizer_triton.py", "gla_ops.py"} <= set(written)
+    for name in written:
+        required = set(get_imports(tmp_path / name))
+        assert "triton" not in required, f"{name} imports triton outside a try block"
+
+
 def test_new_parameters_load_back_unchanged(tmp_path):
     """from_pretrained must not re-initialise the gates or feature maps it loads."""
     src = save_teacher(tiny_teacher("llama"), tmp_path / "src")
