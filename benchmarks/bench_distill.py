@@ -6,7 +6,8 @@ q/k/v/o) and each batch (8 x 2048, 1 x 16384 tokens) it times, with CUDA events:
   student   the same step for the converted GLA model (Triton kernels)
   distill   glaswap's stage-2 step: teacher forward (adapters off, softmax) + student
             forward/backward + KL on logits + AdamW
-and prints one table: median ms, tokens/s, peak GiB, and student/teacher speed ratio.
+and prints one table: median ms, tokens/s, peak GiB, and student/teacher speed ratio. The
+three steps are timed in interleaved rounds (see `measure`).
 
     PYTHONPATH=<folder with glaswap and glaswap_kernels> python benchmarks/bench_distill.py
 """
@@ -79,19 +80,43 @@ def distill_step(student, peft_student, ids, opt):
     opt.zero_grad(set_to_none=True)
 
 
-def timed(fn, warmup=3, reps=10):
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
-    return statistics.median(times)
+def time_once(fn):
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    a.record()
+    fn()
+    b.record()
+    b.synchronize()
+    return a.elapsed_time(b)
+
+
+def measure(steps: dict, reps: int, interleave: bool = True) -> dict:
+    """name -> (median ms, peak GiB) for each step function. Every step is warmed up (3 runs)
+    with its peak memory recorded; then, by default, timed in rounds of one run of each,
+    so that drift (clocks, allocator state) hits all of them alike: in session 3 the same
+    step measured 5-15% apart in separate runs of one call. A step that runs out of
+    memory gets NaN."""
+    peaks = {}
+    for name, fn in steps.items():
+        torch.cuda.reset_peak_memory_stats()
+        try:
+            for _ in range(3):
+                fn()
+            torch.cuda.synchronize()
+            peaks[name] = torch.cuda.max_memory_allocated() / 2**30
+        except torch.OutOfMemoryError:
+            peaks[name] = float("nan")
+        torch.cuda.empty_cache()
+    runnable = [name for name in steps if peaks[name] == peaks[name]]
+    times = {name: [] for name in runnable}
+    if interleave:
+        for _ in range(reps):
+            for name in runnable:
+                times[name].append(time_once(steps[name]))
+    else:
+        for name in runnable:
+            times[name] = [time_once(steps[name]) for _ in range(reps)]
+    return {name: (statistics.median(times[name]) if name in times else float("nan"), peaks[name])
+            for name in steps}
 
 
 def main():
@@ -99,6 +124,8 @@ def main():
     ap.add_argument("--shapes", default=",".join(SHAPES))
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--json")
+    ap.add_argument("--sequential", action="store_true",
+                    help="time each step's runs back to back (before session 3) instead of in rounds")
     ap.add_argument("--set", action="append", metavar="KEY=VALUE",
                     help="kernel launch override: a gla_triton._Config attribute (as in bench_kernels.py) "
                          "or a feature_map_triton.LAUNCH key (e.g. split_dw=1)")
@@ -117,18 +144,13 @@ def main():
         opt_s = torch.optim.AdamW([p for p in student.parameters() if p.requires_grad], lr=1e-5)
         for B, T in BATCHES:
             ids = torch.randint(0, SHAPES[shape]["vocab_size"], (B, T), device="cuda")
-            for name, fn in (("teacher", lambda: ce_step(teacher, ids, opt_t)),
-                             ("student", lambda: ce_step(peft_student, ids, opt_s)),
-                             ("distill", lambda: distill_step(student, peft_student, ids, opt_s))):
-                torch.cuda.reset_peak_memory_stats()
-                try:
-                    ms = timed(fn, reps=args.reps)
-                    peak = torch.cuda.max_memory_allocated() / 2**30
-                except torch.OutOfMemoryError:
-                    ms, peak = float("nan"), float("nan")
-                torch.cuda.empty_cache()
+            steps = {"teacher": lambda: ce_step(teacher, ids, opt_t),
+                     "student": lambda: ce_step(peft_student, ids, opt_s),
+                     "distill": lambda: distill_step(student, peft_student, ids, opt_s)}
+            for name, (ms, peak) in measure(steps, args.reps, not args.sequential).items():
                 rows.append(dict(shape=shape, B=B, T=T, step=name, ms=ms, tok_s=B * T / ms * 1e3, peak_gib=peak))
                 print(json.dumps(rows[-1]), flush=True)
+            torch.cuda.empty_cache()
         del teacher, student, peft_student, opt_t, opt_s
         torch.cuda.empty_cache()
     print(f"\n{'shape':14} {'B x T':>10} {'step':8} {'ms':>8} {'tok/s':>9} {'GiB':>6} {'vs teacher':>10}")
