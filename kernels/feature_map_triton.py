@@ -16,8 +16,6 @@ take bf16 operands for bf16 inputs (as autocast would) and float32 ones otherwis
 
 from __future__ import annotations
 
-import functools
-
 import torch
 
 try:
@@ -28,10 +26,9 @@ try:
 except ImportError:
     raise
 
-from .gla_triton import _cdiv, _next_pow2
-
-# Tests set this: the output and gradient buffers start as NaN, not zeros.
-POISON = False
+# Shared with the GLA kernels: ceil-div, powers of two, the SM count, the matmul helper and
+# the output buffers (NaN-filled when gla_triton.POISON is set by the tests).
+from .gla_triton import _cdiv, _mm, _new, _next_pow2, _num_sms
 
 # Launch settings; benchmarks/bench_feature_map.py --set KEY=VALUE overrides them for trials.
 # BN: rows per block; warps; stages: software pipelining depth (1 keeps float32 D = 128
@@ -46,10 +43,8 @@ LAUNCH = dict(BN=64, warps=4, stages=1, programs_per_sm=4, split_dw=0)
 
 @triton.jit
 def _dot(a, b, DOT_BF16: tl.constexpr):
-    if DOT_BF16:
-        return tl.dot(a.to(tl.bfloat16), b.to(tl.bfloat16))
-    else:
-        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+    """bf16 operands for bf16 inputs (as autocast would), exact float32 products otherwise."""
+    return _mm(a, b, DOT_BF16, "ieee")
 
 
 @triton.jit
@@ -156,19 +151,6 @@ def _launch_shape(D):
     return D2, max(16, _next_pow2(D2)), max(16, _next_pow2(D))
 
 
-@functools.lru_cache(maxsize=None)
-def _sm_count(index):
-    return torch.cuda.get_device_properties(index).multi_processor_count
-
-
-def _new(like, shape=None, dtype=None):
-    shape = like.shape if shape is None else shape
-    dtype = like.dtype if dtype is None else dtype
-    if POISON:
-        return torch.full(shape, float("nan"), dtype=dtype, device=like.device)
-    return torch.empty(shape, dtype=dtype, device=like.device)
-
-
 class _FusedFeatureMap(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, cos, sin, w, need_dw):
@@ -184,7 +166,7 @@ class _FusedFeatureMap(torch.autograd.Function):
         else:
             cos = sin = x
             stride_cb = stride_ct = 0
-        out = _new(x)
+        out = _new(x.shape, x.dtype, x.device)
         BN = LAUNCH["BN"]
         _fm_fwd_kernel[(_cdiv(N, BN), H)](
             x, cos, sin, w, out, N, T, H * D, stride_cb, stride_ct, w.stride(0),
@@ -206,7 +188,7 @@ class _FusedFeatureMap(torch.autograd.Function):
         blocks = _cdiv(N, BN)
         # Enough programs to fill the GPU, few enough that the dW partials
         # (one D x D per program) stay small.
-        sms = _sm_count(x.device.index) if x.is_cuda else 4
+        sms = _num_sms(x.device) if x.is_cuda else 4  # 4 on CPU: interpreter tests get runs
         mode = 0 if not need_dw else (2 if LAUNCH["split_dw"] else 1)
         if mode == 1:
             programs = max(1, min(blocks, _cdiv(LAUNCH["programs_per_sm"] * sms, H)))
@@ -214,9 +196,9 @@ class _FusedFeatureMap(torch.autograd.Function):
             programs = _cdiv(blocks, per_program)
         else:  # no partials to keep few: one block per program
             programs, per_program = blocks, 1
-        dx = _new(x)
-        dw = _new(x, (programs, H, D, D), torch.float32) if mode == 1 else x
-        rbuf, dybuf = (_new(x), _new(x)) if mode == 2 else (x, x)
+        dx = _new(x.shape, x.dtype, x.device)
+        dw = _new((programs, H, D, D), torch.float32, x.device) if mode == 1 else x
+        rbuf, dybuf = (_new(x.shape, x.dtype, x.device) for _ in range(2)) if mode == 2 else (x, x)
         _fm_bwd_kernel[(programs, H)](
             x, cos, sin, w, dout, dx, dw, rbuf, dybuf, N, T, H * D, stride_cb, stride_ct, w.stride(0),
             per_program, D=D, D2=D2, BD2=BD2, BD=BD, BN=BN, ROPE=rope, DW_MODE=mode,

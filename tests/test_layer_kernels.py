@@ -11,7 +11,7 @@ import os
 import pytest
 import torch
 
-from glaswap_kernels import feature_map_triton, normalizer_triton
+from glaswap_kernels import feature_map_triton, gla_triton, normalizer_triton
 from glaswap_kernels.gla_ops import normalize
 from glaswap_kernels.gla_torch import feature_map_torch
 
@@ -24,8 +24,7 @@ pytestmark = [pytest.mark.skipif(not (CUDA or INTERPRETED), reason="needs CUDA o
 
 @pytest.fixture(autouse=True)
 def _poison(monkeypatch):
-    monkeypatch.setattr(feature_map_triton, "POISON", True)
-    monkeypatch.setattr(normalizer_triton, "POISON", True)
+    monkeypatch.setattr(gla_triton, "POISON", True)  # the buffers of all three kernel files
 
 
 def rel(x, ref):
