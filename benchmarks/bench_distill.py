@@ -36,7 +36,9 @@ SHAPES = {
 BATCHES = [(8, 2048), (1, 16384)]
 
 
-def build(shape: str):
+def build(shape: str, peft_casts: bool = False):
+    """Teacher and student with LoRA r=8 on q/k/v/o, set up as `glaswap distill` sets them
+    up (peft's float32 casts of LoRA inputs skipped unless `peft_casts`)."""
     from peft import LoraConfig, get_peft_model
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -57,6 +59,10 @@ def build(shape: str):
         if name in new:
             p.data = p.data.float()
             p.requires_grad_(True)
+    if not peft_casts:  # every step runs under autocast, as in glaswap distill
+        from glaswap.distill.train import lora_inputs_in_compute_dtype
+        lora_inputs_in_compute_dtype(teacher)
+        lora_inputs_in_compute_dtype(student)
     return teacher, student, peft_student
 
 
@@ -119,6 +125,16 @@ def measure(steps: dict, reps: int, interleave: bool = True) -> dict:
             for name in steps}
 
 
+def apply_overrides(items):
+    """`--set KEY=VALUE` items: feature-map launch keys by name, the rest GLA kernel overrides."""
+    from glaswap_kernels import feature_map_triton, gla_triton
+    for item in items or []:
+        key, _, value = item.partition("=")
+        value = int(value) if value.lstrip("-").isdigit() else value
+        target = feature_map_triton.LAUNCH if key in feature_map_triton.LAUNCH else gla_triton.OVERRIDES
+        target[key] = value
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--shapes", default=",".join(SHAPES))
@@ -126,20 +142,16 @@ def main():
     ap.add_argument("--json")
     ap.add_argument("--sequential", action="store_true",
                     help="time each step's runs back to back (before session 3) instead of in rounds")
+    ap.add_argument("--peft-casts", action="store_true",
+                    help="keep peft's float32 casts of LoRA inputs (how steps ran before session 4)")
     ap.add_argument("--set", action="append", metavar="KEY=VALUE",
                     help="kernel launch override: a gla_triton._Config attribute (as in bench_kernels.py) "
                          "or a feature_map_triton.LAUNCH key (e.g. split_dw=1)")
     args = ap.parse_args()
-    from glaswap_kernels import feature_map_triton, gla_triton
-    for item in args.set or []:
-        key, _, value = item.partition("=")
-        value = int(value) if value.lstrip("-").isdigit() else value
-        # feature-map kernel settings by name, the rest are GLA kernel overrides
-        target = feature_map_triton.LAUNCH if key in feature_map_triton.LAUNCH else gla_triton.OVERRIDES
-        target[key] = value
+    apply_overrides(args.set)
     rows = []
     for shape in args.shapes.split(","):
-        teacher, student, peft_student = build(shape)
+        teacher, student, peft_student = build(shape, args.peft_casts)
         opt_t = torch.optim.AdamW([p for p in teacher.parameters() if p.requires_grad], lr=1e-5)
         opt_s = torch.optim.AdamW([p for p in student.parameters() if p.requires_grad], lr=1e-5)
         for B, T in BATCHES:

@@ -39,7 +39,7 @@ def main():
     from glaswap.convert import glaswap_config
     from glaswap.distill.parallel import setup_distributed
     from glaswap.distill.recipe import Stage2
-    from glaswap.distill.train import _kd_step
+    from glaswap.distill.train import _kd_step, lora_inputs_in_compute_dtype
     from glaswap.models.modeling_glaswap import GLASwapForCausalLM
 
     dist = setup_distributed(args.layout)
@@ -57,6 +57,7 @@ def main():
             p.data = p.data.float()
         p.requires_grad_(trainable)
     lm._glaswap_compute_dtype = torch.bfloat16
+    lora_inputs_in_compute_dtype(lm)  # as glaswap distill does for autocast steps
     dist.wrap(lm, device)
     params = [p for p in lm.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=1e-5)

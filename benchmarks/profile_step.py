@@ -26,7 +26,9 @@ def main():
     ap.add_argument("--batch", default="8x2048")
     ap.add_argument("--iters", type=int, default=3)
     ap.add_argument("--rows", type=int, default=28)
+    ap.add_argument("--set", action="append", metavar="KEY=VALUE", help="as in bench_distill.py")
     args = ap.parse_args()
+    bench_distill.apply_overrides(args.set)
     from torch.profiler import ProfilerActivity, profile
 
     B, T = (int(x) for x in args.batch.split("x"))

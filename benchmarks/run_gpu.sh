@@ -13,6 +13,9 @@
 #   bash benchmarks/run_gpu.sh v4 [VARIANT...]  # fused feature map: tests, its bench, distill bench
 #   bash benchmarks/run_gpu.sh v4b           # + fused normaliser: all GPU tests, distill bench
 #   bash benchmarks/run_gpu.sh next          # the split-dW feature-map backward, timed
+#   bash benchmarks/run_gpu.sh next5         # LoRA input casts off vs on, the 1B step timed
+#   bash benchmarks/run_gpu.sh quality "NAME:OVERRIDES" ...  # GPU recipe runs, in turn
+#       (after the payload steps; call again to resume the unfinished ones)
 # The payload (built on a CPU machine, see NOTES.md) holds the SmolLM2 GGUF, the token
 # files of benchmarks/prepare_corpus.py and wheels (gguf, flash-linear-attention, fla-core):
 # the GPU machine has no network. glaswap is not installed there: it runs from this folder.
@@ -119,6 +122,31 @@ next)       # session 4's first call: the feature map's split-dW backward (and 8
   done
   for v in "" "--set split_dw=1"; do
     python3 benchmarks/bench_distill.py --shapes llama-3.2-1b $v 2>&1 | tail -7
+  done
+  timeout 120 python3 benchmarks/profile_step.py --shape llama-3.2-1b --batch 1x16384 --rows 30 \
+      --set split_dw=1 2>&1 | tee "$OUT/profile_step_16k.log" | grep -A30 "## student" | head -32 ;;
+next5)      # session 5's first call: peft's LoRA input casts off (now) against on (before)
+  timeout 200 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_layer_kernels.py tests/test_gla_triton.py 2>&1 | tail -2
+  for v in "" "--peft-casts"; do
+    timeout 200 python3 benchmarks/bench_distill.py --shapes llama-3.2-1b $v 2>&1 | tail -7
+  done
+  timeout 120 python3 benchmarks/profile_step.py --shape llama-3.2-1b --batch 1x16384 --rows 30 2>&1 \
+      | tee "$OUT/profile_step_16k.log" | grep -A12 "## student" | head -14 ;;
+quality)    # runs of the GPU recipe, one after another (two processes sharing the GPU ran
+            # 4-5x slower each: NOTES, session 4); each NAME:OVERRIDES gets runs/NAME and
+            # LIMIT seconds; call again with the same specs to resume the unfinished ones.
+  ln -sfn "$HOME/data" data
+  for spec in "${@:2}"; do
+    name="${spec%%:*}"; ov="${spec#*:}"; dir="$HOME/runs/$name"
+    [ -f "$dir/glaswap.json" ] && { echo "## $name: finished"; continue; }
+    resume=""; [ -f "$dir.run/recipe.yaml" ] && resume="--resume"
+    timeout -s TERM "${LIMIT:-540}" python3 -m glaswap.cli distill --recipe recipes/smollm2-135m.yaml \
+        --out "$dir" $resume $ov train.checkpoint_every=100 2>&1 | tr '\r' '\n' \
+        | grep -vE "^stage [12]: .*(step/s|s/step).*\]$" >> "$OUT/$name.log" || true
+    echo "## $name"; tail -4 "$OUT/$name.log"
+    for f in eval.json metrics.jsonl loss.png glaswap.json; do
+      cp "$HOME/runs/$name/$f" "$OUT/$name-$f" 2>/dev/null || cp "$HOME/runs/$name.run/$f" "$OUT/$name-$f" 2>/dev/null || true
+    done
   done ;;
 kernels2)   # GPU tests, full table, per-kernel profile at the long shapes, variants
   python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_gla_triton.py 2>&1 | tee "$OUT/gpu_tests.log" | tail -3

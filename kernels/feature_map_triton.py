@@ -34,11 +34,11 @@ from .gla_triton import _cdiv, _mm, _new, _next_pow2, _num_sms
 # BN: rows per block; warps; stages: software pipelining depth (1 keeps float32 D = 128
 # within shared memory); programs_per_sm: backward programs (each sums a run of blocks
 # into one dW partial).
-# split_dw: 0 sums dW inside the backward kernel (per-program partials; measured on the
-# H200: 0.67 ms f+b at a 1B model's queries, the kernel spilling 1.6 KB of registers), 1
-# stores rope(x) and dy instead and computes dW with one batched matmul (ptxas: no spills
-# at 8 warps; more memory traffic; not yet timed on a GPU).
-LAUNCH = dict(BN=64, warps=4, stages=1, programs_per_sm=4, split_dw=0)
+# split_dw: 1 (default) stores rope(x) and dy and computes dW with one batched matmul; 0
+# sums dW inside the backward kernel (per-program partials; that kernel spills 1.6 KB of
+# registers). H200, f+b at a 1B model's queries (8x2048 H32 D64): 0.425 ms against 0.671;
+# D128 0.646 against 1.257 (benchmarks/NOTES.md, session 4).
+LAUNCH = dict(BN=64, warps=4, stages=1, programs_per_sm=4, split_dw=1)
 
 
 @triton.jit

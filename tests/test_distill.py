@@ -108,6 +108,46 @@ def test_kd_loss_chunked_equals_direct():
     torch.testing.assert_close(g_chunked, g_direct, rtol=1e-5, atol=1e-6)
 
 
+def test_lora_inputs_in_compute_dtype_changes_nothing_under_autocast():
+    """Skipping peft's float32 cast of LoRA inputs (a speed fix for bf16 training) gives the
+    same loss and gradients under autocast, and the adapters really see bf16 inputs."""
+    from helpers import tiny_teacher
+    from peft import LoraConfig, get_peft_model
+
+    from glaswap.distill.train import lora_inputs_in_compute_dtype
+
+    def run(skip_casts):
+        model = get_peft_model(tiny_teacher("llama").to(torch.bfloat16),
+                               LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"]))
+        torch.manual_seed(1)
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if "lora_B" in name:
+                    p.normal_(0, 0.05)
+        seen = set()
+        hooks = [m.register_forward_pre_hook(lambda _m, args: seen.add(args[0].dtype))
+                 for n, m in model.named_modules() if n.endswith("lora_A.default")]
+        if skip_casts:
+            assert lora_inputs_in_compute_dtype(model) == 8   # 2 layers x q/k/v/o
+        ids = torch.arange(37)[None] % 128
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        for h in hooks:
+            h.remove()
+        grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+        return loss.detach(), grads, seen
+
+    loss_a, grads_a, seen_a = run(False)
+    loss_b, grads_b, seen_b = run(True)
+    assert seen_a == {torch.float32} and seen_b == {torch.bfloat16}
+    assert all(g.dtype == torch.float32 for g in grads_b.values())   # adapters stay float32
+    torch.testing.assert_close(loss_b, loss_a, rtol=0, atol=0)
+    assert grads_a.keys() == grads_b.keys() and len(grads_a) == 16
+    for name in grads_a:
+        torch.testing.assert_close(grads_b[name], grads_a[name], rtol=0, atol=0, msg=name)
+
+
 # ----------------------------------------------------------------------------- tiny runs
 def _quiet(*_args, **_kwargs):
     pass
@@ -157,6 +197,59 @@ def test_resume_gives_the_same_weights(tmp_path, stop):
     for name in a:
         assert torch.equal(a[name], b[name]), name
     assert resumed["eval"]["stage2"] == ref["eval"]["stage2"]
+
+
+def test_sigterm_checkpoints_and_resume_logs_each_evaluation_once(tmp_path):
+    """A scheduler's or `timeout`'s SIGTERM in stage 2 stops like Ctrl-C (checkpoint, one
+    line, exit 130); the resumed run finishes with one evaluation line per stage."""
+    import json
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    path = tiny_recipe(tmp_path, s1=3, s2=30, every=0)
+    out = tmp_path / "out"
+    cmd = [sys.executable, "-m", "glaswap.cli", "distill", "--recipe", str(path), "--out", str(out)]
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    metrics = tmp_path / "out.run" / "metrics.jsonl"
+    deadline = time.time() + 240
+    while time.time() < deadline and proc.poll() is None:
+        lines = metrics.read_text().splitlines() if metrics.is_file() else []
+        if sum('"stage": 2' in line and '"loss"' in line for line in lines) >= 2:
+            break
+        time.sleep(0.05)
+    assert proc.poll() is None, "the run ended before stage 2 got going: " + proc.stderr.read()[-2000:]
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130, err[-2000:]
+    assert "interrupted in stage 2" in err and "checkpoint saved" in err, err[-2000:]
+    state = json.loads((tmp_path / "out.run" / "checkpoints" / "stage2" / "state.json").read_text())
+    assert state["stage"] == 2 and state["step"] >= 2
+    distill(load_recipe(path), out=out, resume=True, log=_quiet)
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    evals = [(r["stage"], r["step"]) for r in records if r.get("event") == "eval"]
+    assert evals == [(1, 3), (2, 30)], evals
+
+
+def test_resume_from_a_stage_end_logs_its_evaluation_once(tmp_path):
+    """A checkpoint at the very end of stage 1 (what a stop between the stages leaves)
+    resumes into stage 1's evaluation; the log must not hold it twice."""
+    import json
+    import shutil
+
+    path = tiny_recipe(tmp_path, s1=3, s2=2, every=1)
+    with pytest.raises(Interrupted):
+        distill(load_recipe(path), out=tmp_path / "run", log=_quiet, stop_after=(2, 1))
+    run = tmp_path / "run.run"
+    shutil.rmtree(run / "checkpoints" / "stage2")   # as if stopped before stage 2's first step
+    distill(load_recipe(path), out=tmp_path / "run", resume=True, log=_quiet)
+    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    evals = [(r["stage"], r["step"]) for r in records if r.get("event") == "eval"]
+    assert evals == [(1, 3), (2, 2)], evals
+    assert [r["step"] for r in records if r["stage"] == 2 and "loss" in r] == [1, 2]
 
 
 # ----------------------------------------------------------------------------- bad input

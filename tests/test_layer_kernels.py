@@ -80,8 +80,9 @@ def test_fused_feature_map_one_token_and_broadcast_rope():
     check(3, 5, 2, 32, cos_batch=1)  # cos/sin [1, T, D] shared by the batch
 
 
-def test_fused_feature_map_several_blocks_per_program():
-    # 197 rows, 8 heads: the backward gives each program two row blocks and sums dW partials.
+def test_fused_feature_map_several_blocks_per_program(monkeypatch):
+    # 197 rows, 8 heads, in-kernel dW: each program takes two row blocks and sums partials.
+    monkeypatch.setitem(feature_map_triton.LAUNCH, "split_dw", 0)
     check(1, 197, 8, 32, seed=1)
 
 
@@ -90,10 +91,12 @@ def test_fused_feature_map_without_rope_or_weight(rope, weight):
     check(2, 21, 2, 48, rope=rope, weight=weight)
 
 
+@pytest.mark.parametrize("split_dw", [0, 1])
 @pytest.mark.parametrize("D", [24, 64])
-def test_fused_feature_map_split_dw(monkeypatch, D):
-    """dW from stored rope(x) and dy with one batched matmul instead of in-kernel partials."""
-    monkeypatch.setitem(feature_map_triton.LAUNCH, "split_dw", 1)
+def test_fused_feature_map_dw_modes(monkeypatch, D, split_dw):
+    """dW both ways: stored rope(x) and dy with one batched matmul (the default), or summed
+    in the kernel as per-program partials."""
+    monkeypatch.setitem(feature_map_triton.LAUNCH, "split_dw", split_dw)
     check(1, 197, 8, D, seed=2)
     check(2, 5, 3, D, rope=False)
 
