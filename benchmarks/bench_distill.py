@@ -20,6 +20,7 @@ import statistics
 
 import torch
 import torch.nn.functional as F
+import yaml
 
 SHAPES = {
     "smollm2-135m": dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
@@ -36,9 +37,10 @@ SHAPES = {
 BATCHES = [(8, 2048), (1, 16384)]
 
 
-def build(shape: str, peft_casts: bool = False):
+def build(shape: str, peft_casts: bool = False, options: dict | None = None):
     """Teacher and student with LoRA r=8 on q/k/v/o, set up as `glaswap distill` sets them
-    up (peft's float32 casts of LoRA inputs skipped unless `peft_casts`)."""
+    up (peft's float32 casts of LoRA inputs skipped unless `peft_casts`); `options` are GLA
+    options for the student (e.g. {"feature_map": "hedgehog_pm"})."""
     from peft import LoraConfig, get_peft_model
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -48,7 +50,7 @@ def build(shape: str, peft_casts: bool = False):
     torch.manual_seed(0)
     cfg = LlamaConfig(**SHAPES[shape], attn_implementation="sdpa")
     teacher = LlamaForCausalLM(cfg).to(device="cuda", dtype=torch.bfloat16)
-    student = GLASwapForCausalLM(glaswap_config(cfg.to_dict()))
+    student = GLASwapForCausalLM(glaswap_config(cfg.to_dict(), options))
     student.load_state_dict(teacher.state_dict(), strict=False)
     student = student.to(device="cuda", dtype=torch.bfloat16)
     new = set(student.new_parameter_names())
@@ -142,6 +144,8 @@ def main():
     ap.add_argument("--json")
     ap.add_argument("--sequential", action="store_true",
                     help="time each step's runs back to back (before session 3) instead of in rounds")
+    ap.add_argument("--option", action="append", metavar="KEY=VALUE", default=[],
+                    help="a GLA option of the student, e.g. feature_map=hedgehog_pm")
     ap.add_argument("--peft-casts", action="store_true",
                     help="keep peft's float32 casts of LoRA inputs (how steps ran before session 4)")
     ap.add_argument("--set", action="append", metavar="KEY=VALUE",
@@ -151,7 +155,11 @@ def main():
     apply_overrides(args.set)
     rows = []
     for shape in args.shapes.split(","):
-        teacher, student, peft_student = build(shape, args.peft_casts)
+        options = {}
+        for item in args.option:
+            key, _, value = item.partition("=")
+            options[key] = yaml.safe_load(value)   # numbers and booleans as YAML reads them
+        teacher, student, peft_student = build(shape, args.peft_casts, options)
         opt_t = torch.optim.AdamW([p for p in teacher.parameters() if p.requires_grad], lr=1e-5)
         opt_s = torch.optim.AdamW([p for p in student.parameters() if p.requires_grad], lr=1e-5)
         for B, T in BATCHES:

@@ -13,7 +13,7 @@
 #   bash benchmarks/run_gpu.sh v4 [VARIANT...]  # fused feature map: tests, its bench, distill bench
 #   bash benchmarks/run_gpu.sh v4b           # + fused normaliser: all GPU tests, distill bench
 #   bash benchmarks/run_gpu.sh next          # the split-dW feature-map backward, timed
-#   bash benchmarks/run_gpu.sh next5         # LoRA input casts off vs on, the 1B step timed
+#   bash benchmarks/run_gpu.sh next5         # LoRA input casts off vs on, hedgehog_pm: 1B step
 #   bash benchmarks/run_gpu.sh quality "NAME:OVERRIDES" ...  # GPU recipe runs, in turn
 #       (after the payload steps; call again to resume the unfinished ones)
 # The payload (built on a CPU machine, see NOTES.md) holds the SmolLM2 GGUF, the token
@@ -127,7 +127,8 @@ next)       # session 4's first call: the feature map's split-dW backward (and 8
       --set split_dw=1 2>&1 | tee "$OUT/profile_step_16k.log" | grep -A30 "## student" | head -32 ;;
 next5)      # session 5's first call: peft's LoRA input casts off (now) against on (before)
   timeout 200 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_layer_kernels.py tests/test_gla_triton.py 2>&1 | tail -2
-  for v in "" "--peft-casts"; do
+  for v in "" "--peft-casts" "--option feature_map=hedgehog_pm"; do
+    echo "### bench_distill ${v:-(defaults)}"
     timeout 200 python3 benchmarks/bench_distill.py --shapes llama-3.2-1b $v 2>&1 | tail -7
   done
   timeout 120 python3 benchmarks/profile_step.py --shape llama-3.2-1b --batch 1x16384 --rows 30 2>&1 \

@@ -51,10 +51,10 @@ def main():
 @click.option("--gate-rank", type=click.IntRange(1), default=16, show_default=True)
 @click.option("--gate-init-decay", type=click.FloatRange(0, 1, min_open=True, max_open=True), default=0.98,
               show_default=True, help="Per-step decay at step 0.")
-@click.option("--feature-map", type=click.Choice(["identity", "softmax", "hedgehog"]), default="hedgehog",
+@click.option("--feature-map", type=click.Choice(["identity", "softmax", "hedgehog", "hedgehog_pm"]), default="hedgehog",
               show_default=True)
 @click.option("--normalizer/--no-normalizer", default=True, show_default=True,
-              help="Divide by the linear-attention denominator (needs softmax or hedgehog).")
+              help="Divide by the linear-attention denominator (needs softmax, hedgehog or hedgehog_pm).")
 @click.option("--rope/--no-rope", default=True, show_default=True, help="Keep RoPE on q and k.")
 @click.option("--dtype", type=click.Choice(["auto", "bfloat16", "float16", "float32"]), default="auto",
               show_default=True, help="Weights dtype (auto: the source's; bfloat16 for GGUF).")

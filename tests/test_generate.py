@@ -26,6 +26,7 @@ VARIANTS = {
     "llama": ("llama", False, {}),                                                  # lowrank gate, hedgehog
     "qwen3-key": ("qwen3", True, {"gate": "key", "feature_map": "softmax"}),        # q/k norms, tied
     "qwen2-scalar": ("qwen2", False, {"gate": "scalar", "feature_map": "identity", "normalizer": False}),
+    "mistral-pm": ("mistral", False, {"feature_map": "hedgehog_pm"}),                # state rows 2 x head dim
 }
 PAD = 0
 
@@ -135,15 +136,16 @@ def test_triton_decode_step_matches_triton_prefill(folders):
     torch.testing.assert_close(torch.cat(steps, 1), full, rtol=1e-4, atol=1e-4)
 
 
-def test_cache_states_are_constant_size(folders):
-    model = _load(folders["llama"])
+@pytest.mark.parametrize("variant, rows", [("llama", 1), ("mistral-pm", 2)])
+def test_cache_states_are_constant_size(folders, variant, rows):
+    model = _load(folders[variant])
     cfg = model.config
     sizes = []
     with torch.no_grad():
         for T in (5, 50):
             cache = model(torch.randint(0, 128, (1, T)), use_cache=True).past_key_values
             sizes.append([tuple(s.shape) for s in cache.states])
-    assert sizes[0] == sizes[1] == [(1, cfg.num_key_value_heads, cfg.head_dim, cfg.head_dim + 1)] * 2
+    assert sizes[0] == sizes[1] == [(1, cfg.num_key_value_heads, rows * cfg.head_dim, cfg.head_dim + 1)] * 2
 
 
 @pytest.mark.parametrize("variant", VARIANTS)

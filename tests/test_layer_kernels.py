@@ -130,17 +130,18 @@ def test_gpu_fused_feature_map_bf16_real_size(monkeypatch, split_dw):
     check(1, 4096, 16, 128, dtype=torch.bfloat16)
 
 
-def test_layer_triton_path_matches_torch_path():
+@pytest.mark.parametrize("feature_map", ["hedgehog", "hedgehog_pm"])
+def test_layer_triton_path_matches_torch_path(feature_map):
     """A whole converted model (hedgehog maps, low-rank gate, normaliser, GQA, head dim 24):
     the Triton path (fused feature map, GLA kernels, fused normaliser) against the PyTorch
-    path, logits and the gradient of every parameter."""
+    path, logits and the gradient of every parameter. hedgehog_pm: K = 48, V = 24."""
     from glaswap.convert import glaswap_config
     from glaswap.models.modeling_glaswap import GLASwapForCausalLM
     from helpers import tiny_teacher
 
     teacher = tiny_teacher("llama", layers=1)
     torch.manual_seed(0)
-    student = GLASwapForCausalLM(glaswap_config(teacher.config.to_dict()))
+    student = GLASwapForCausalLM(glaswap_config(teacher.config.to_dict(), {"feature_map": feature_map}))
     student.load_state_dict(teacher.state_dict(), strict=False)
     with torch.no_grad():  # move the new parameters off their identity/zero start
         for name, p in student.named_parameters():

@@ -22,7 +22,12 @@ from glaswap_kernels.gla_ops import HAS_TRITON, chunk_gla, feature_map, normaliz
 from glaswap_kernels.gla_torch import apply_rope
 
 GATES = ("lowrank", "key", "scalar")
-FEATURE_MAPS = ("identity", "softmax", "hedgehog")
+FEATURE_MAPS = ("identity", "softmax", "hedgehog", "hedgehog_pm")
+
+
+def feature_dim(config):
+    """Width of phi(q) and phi(k), hence of the gate and of the recurrent state's rows."""
+    return config.head_dim * (2 if config.feature_map == "hedgehog_pm" else 1)
 MODES = ("gla", "softmax")
 
 
@@ -46,19 +51,24 @@ class FeatureMap(nn.Module):
 
     identity: phi(x) = x (plain GLA). softmax: softmax over the head dimension. hedgehog:
     softmax(x W) with one learned W per head, initialised to the identity, so it starts as
-    `softmax` and can learn to sharpen or mix dimensions (Hedgehog / LoLCATs). On CUDA the
-    rotation, W and softmax run as one Triton kernel (`gla_ops.feature_map`).
+    `softmax` and can learn to sharpen or mix dimensions (Hedgehog / LoLCATs). hedgehog_pm:
+    [softmax(x W), softmax(-x W)], twice as wide: one softmax can only favour large
+    components of x W, the pair also sees the most negative ones (as LoLCATs' maps do). On
+    CUDA the rotation, W and softmax run as one Triton kernel (`gla_ops.feature_map`).
     """
 
     def __init__(self, kind, heads, dim):
         super().__init__()
         self.kind = kind
-        if kind == "hedgehog":
+        if kind in ("hedgehog", "hedgehog_pm"):
             self.weight = nn.Parameter(torch.eye(dim).repeat(heads, 1, 1))
 
     def forward(self, x, cos=None, sin=None, backend="auto"):
-        return feature_map(x, cos, sin, getattr(self, "weight", None),
-                           softmax=self.kind != "identity", backend=backend)
+        w = getattr(self, "weight", None)
+        phi = feature_map(x, cos, sin, w, softmax=self.kind != "identity", backend=backend)
+        if self.kind == "hedgehog_pm":  # softmax(rope(x) (-W)) = softmax(-(rope(x) W))
+            phi = torch.cat([phi, feature_map(x, cos, sin, -w, softmax=True, backend=backend)], dim=-1)
+        return phi
 
 
 class GLAAttention(nn.Module):
@@ -115,7 +125,7 @@ class GLAAttention(nn.Module):
         elif cfg.gate == "scalar":
             self.gate_proj.weight.zero_()
             self.gate_proj.bias.fill_(bias)
-        if cfg.feature_map == "hedgehog":
+        if cfg.feature_map in ("hedgehog", "hedgehog_pm"):
             for m in (self.q_map, self.k_map):
                 m.weight.copy_(torch.eye(self.head_dim).repeat(m.weight.shape[0], 1, 1))
 
@@ -135,7 +145,8 @@ class GLAAttention(nn.Module):
         return q, k, v
 
     def _gate(self, x, k_raw):
-        """Per-step log-decays g [B, T, Hkv, D] (<= 0), in x's dtype."""
+        """Per-step log-decays g [B, T, Hkv, feature_dim] (<= 0), in x's dtype (hedgehog_pm's
+        two halves share the decay of their head dimension)."""
         cfg = self.config
         B, T, _ = x.shape
         if cfg.gate == "lowrank":
@@ -145,7 +156,8 @@ class GLAAttention(nn.Module):
             logits = logits.expand(B, T, self.num_kv_heads, self.head_dim)
         else:  # key: reuse the key projection (before RoPE), shifted to the starting decay
             logits = k_raw + _logit_for_decay(cfg.gate_init_decay, cfg.gate_normalizer)
-        return (F.logsigmoid(logits.float()) / cfg.gate_normalizer).to(x.dtype)
+        g = (F.logsigmoid(logits.float()) / cfg.gate_normalizer).to(x.dtype)
+        return torch.cat([g, g], dim=-1) if cfg.feature_map == "hedgehog_pm" else g
 
     def forward(self, hidden_states, position_embeddings=None, attention_mask=None,
                 past_key_values=None, cu_seqlens=None, **kwargs):

@@ -13,7 +13,7 @@ GLA_OPTIONS = {
     "gate_rank": (16, int),
     "gate_normalizer": (16.0, float),
     "gate_init_decay": (0.98, float),
-    "feature_map": ("hedgehog", ("identity", "softmax", "hedgehog")),
+    "feature_map": ("hedgehog", ("identity", "softmax", "hedgehog", "hedgehog_pm")),
     "normalizer": (True, bool),
     "normalizer_eps": (1e-6, float),
     "use_rope": (True, bool),
@@ -37,7 +37,7 @@ def check_gla_options(opts):
             raise ValueError(f"invalid {name} {value!r}; expected a number")
     merged = {k: v[0] for k, v in GLA_OPTIONS.items()} | dict(opts)
     if merged["normalizer"] and merged["feature_map"] == "identity":
-        raise ValueError("normalizer needs a positive feature map (softmax or hedgehog); change feature_map "
+        raise ValueError("normalizer needs a positive feature map (softmax, hedgehog or hedgehog_pm); change feature_map "
                          "or turn the normalizer off")
     if not 0.0 < float(merged["gate_init_decay"]) < 1.0:
         raise ValueError(f"invalid gate_init_decay {merged['gate_init_decay']!r}; expected 0 < decay < 1")
