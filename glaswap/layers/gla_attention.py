@@ -23,12 +23,12 @@ from glaswap_kernels.gla_torch import apply_rope
 
 GATES = ("lowrank", "key", "scalar")
 FEATURE_MAPS = ("identity", "softmax", "hedgehog", "hedgehog_pm")
+MODES = ("gla", "softmax")
 
 
 def feature_dim(config):
     """Width of phi(q) and phi(k), hence of the gate and of the recurrent state's rows."""
     return config.head_dim * (2 if config.feature_map == "hedgehog_pm" else 1)
-MODES = ("gla", "softmax")
 
 
 class RMSNorm(nn.Module):
