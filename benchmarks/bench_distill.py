@@ -20,7 +20,6 @@ import statistics
 
 import torch
 import torch.nn.functional as F
-import yaml
 
 SHAPES = {
     "smollm2-135m": dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
@@ -153,12 +152,10 @@ def main():
                          "or a feature_map_triton.LAUNCH key (e.g. split_dw=1)")
     args = ap.parse_args()
     apply_overrides(args.set)
+    from glaswap.distill.recipe import parse_override   # KEY=VALUE read as recipe overrides are
+    options = {".".join(key): value for key, value in map(parse_override, args.option)}
     rows = []
     for shape in args.shapes.split(","):
-        options = {}
-        for item in args.option:
-            key, _, value = item.partition("=")
-            options[key] = yaml.safe_load(value)   # numbers and booleans as YAML reads them
         teacher, student, peft_student = build(shape, args.peft_casts, options)
         opt_t = torch.optim.AdamW([p for p in teacher.parameters() if p.requires_grad], lr=1e-5)
         opt_s = torch.optim.AdamW([p for p in student.parameters() if p.requires_grad], lr=1e-5)

@@ -2,6 +2,13 @@
 
 from __future__ import annotations
 
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
 
 import numpy as np
 import pytest
@@ -165,7 +172,7 @@ def test_tiny_distill_end_to_end(tmp_path):
     ev = meta["eval"]
     assert ev["stage1"]["tokens"] > 0 and np.isfinite(ev["stage2"]["student_ppl"])
     assert meta["distill"]["heldout_tokens"] > 0
-    losses = [r["loss"] for r in map(__import__("json").loads, (out / "metrics.jsonl").read_text().splitlines())
+    losses = [r["loss"] for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines())
               if r.get("stage") == 1 and "loss" in r]
     assert len(losses) == 6 and losses[-1] < losses[0], losses
     assert load_recipe(out / "recipe.yaml").stage1.steps == 6   # the resolved recipe is a valid recipe
@@ -202,13 +209,6 @@ def test_resume_gives_the_same_weights(tmp_path, stop):
 def test_sigterm_checkpoints_and_resume_logs_each_evaluation_once(tmp_path):
     """A scheduler's or `timeout`'s SIGTERM in stage 2 stops like Ctrl-C (checkpoint, one
     line, exit 130); the resumed run finishes with one evaluation line per stage."""
-    import json
-    import os
-    import signal
-    import subprocess
-    import sys
-    import time
-
     path = tiny_recipe(tmp_path, s1=3, s2=30, every=0)
     out = tmp_path / "out"
     cmd = [sys.executable, "-m", "glaswap.cli", "distill", "--recipe", str(path), "--out", str(out)]
@@ -237,9 +237,6 @@ def test_sigterm_checkpoints_and_resume_logs_each_evaluation_once(tmp_path):
 def test_resume_from_a_stage_end_logs_its_evaluation_once(tmp_path):
     """A checkpoint at the very end of stage 1 (what a stop between the stages leaves)
     resumes into stage 1's evaluation; the log must not hold it twice."""
-    import json
-    import shutil
-
     path = tiny_recipe(tmp_path, s1=3, s2=2, every=1)
     with pytest.raises(Interrupted):
         distill(load_recipe(path), out=tmp_path / "run", log=_quiet, stop_after=(2, 1))
