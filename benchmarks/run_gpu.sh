@@ -14,6 +14,8 @@
 #   bash benchmarks/run_gpu.sh v4b           # + fused normaliser: all GPU tests, distill bench
 #   bash benchmarks/run_gpu.sh next          # the split-dW feature-map backward, timed
 #   bash benchmarks/run_gpu.sh next5         # LoRA input casts off vs on, hedgehog_pm: 1B step
+#   bash benchmarks/run_gpu.sh tune16k       # dq/dk/dg launch variants with the normaliser, 1B step
+#   bash benchmarks/run_gpu.sh next6         # GPU tests, kernel table, 1B step (session 6)
 #   bash benchmarks/run_gpu.sh quality "NAME:OVERRIDES" ...  # GPU recipe runs, in turn
 #       (after the payload steps; call again to resume the unfinished ones)
 # The payload (built on a CPU machine, see NOTES.md) holds the SmolLM2 GGUF, the token
@@ -126,13 +128,33 @@ next)       # session 4's first call: the feature map's split-dW backward (and 8
   timeout 120 python3 benchmarks/profile_step.py --shape llama-3.2-1b --batch 1x16384 --rows 30 \
       --set split_dw=1 2>&1 | tee "$OUT/profile_step_16k.log" | grep -A30 "## student" | head -32 ;;
 next5)      # session 5's first call: peft's LoRA input casts off (now) against on (before)
-  timeout 200 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_layer_kernels.py tests/test_gla_triton.py 2>&1 | tail -2
+  timeout 400 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_layer_kernels.py tests/test_gla_triton.py 2>&1 | tail -2 || true   # >200 s in session 5
   for v in "" "--peft-casts" "--option feature_map=hedgehog_pm"; do
     echo "### bench_distill ${v:-(defaults)}"
     timeout 200 python3 benchmarks/bench_distill.py --shapes llama-3.2-1b $v 2>&1 | tail -7
   done
   timeout 120 python3 benchmarks/profile_step.py --shape llama-3.2-1b --batch 1x16384 --rows 30 2>&1 \
       | tee "$OUT/profile_step_16k.log" | grep -A12 "## student" | head -14 ;;
+tune16k)    # session 5: dq/dk/dg launch variants at the 1B layer shape with the normaliser
+            # (ptxas spills 2116 B at the default, 236 + 88 B at BK_g=32 warps_g=8), then the
+            # 1B training step with the fastest
+  best=""; best_ms=1e9
+  for v in "" "warps_g=8" "BK_g=32" "BK_g=32 warps_g=8"; do
+    sets=""; for s in $v; do sets="$sets --set $s"; done
+    timeout 60 python3 benchmarks/bench_kernels.py --only glaswap --no-check \
+        --match "1x16384 H32/kv8 D64 +norm" $sets --json "$OUT/k.json" > /dev/null 2>&1 || continue
+    ms=$(python3 -c "import json; print(json.load(open('$OUT/k.json'))['rows'][0]['glaswap_fb'])")
+    echo "variant '${v:-default}': f+b $ms ms"
+    if python3 -c "import sys; sys.exit(0 if $ms < $best_ms else 1)"; then best="$sets"; best_ms=$ms; fi
+  done
+  echo "### bench_distill with '${best:-defaults}'"
+  timeout 130 python3 benchmarks/bench_distill.py --shapes llama-3.2-1b $best 2>&1 | tail -7 ;;
+next6)      # session 6's first call: GPU tests (BK_g=32 with GQA + normaliser is new), the
+            # kernel table, the 1B step; then, after payload-b, `quality "pm:stage2.lora_targets=
+            # [q_proj,k_proj,v_proj,o_proj]"` separates hedgehog_pm from the MLP LoRA (17.29 both)
+  timeout 400 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_layer_kernels.py tests/test_gla_triton.py 2>&1 | tail -2 || true
+  timeout 150 python3 benchmarks/bench_kernels.py --only glaswap --json "$OUT/kernels.json" 2>&1 | tail -16 || true
+  timeout 130 python3 benchmarks/bench_distill.py --shapes llama-3.2-1b 2>&1 | tail -7 || true ;;
 quality)    # runs of the GPU recipe, one after another (two processes sharing the GPU ran
             # 4-5x slower each: NOTES, session 4); each NAME:OVERRIDES gets runs/NAME and
             # LIMIT seconds; call again with the same specs to resume the unfinished ones.

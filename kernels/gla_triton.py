@@ -1074,7 +1074,7 @@ class _Config:
              it also computes dv (merge_dv).
     Entries of OVERRIDES (module level) replace the computed values, for tuning runs."""
 
-    def __init__(self, B, T, H, Hkv, K, V, N, dtype, device, tiles=None, chunk=None):
+    def __init__(self, B, T, H, Hkv, K, V, N, dtype, device, tiles=None, chunk=None, normalizer=False):
         np2 = _next_pow2
         self.BT = 64 if T >= 64 else max(16, np2(T))
         if chunk is not None:                       # private: force the chunk length (tests)
@@ -1092,6 +1092,12 @@ class _Config:
             # dq/dk/dg kernel compute dv too (merge_dv); only bf16 operands leave the
             # registers for them (fp32 operands spill). H200: 2.33 -> 1.83 ms at 8x2048 H32 D64.
             wide = dtype == torch.bfloat16
+            # Except with grouped queries and the normaliser: the head loop's and the
+            # normaliser's extra tiles make the merged kernel spill 2.1 KB at 4 warps (ptxas),
+            # 0.8 KB (+88 B in dv) with K tiles of 32. H200, 1x16384 H32/kv8 D64: 1.549 ->
+            # 1.301 ms f+b (session 5; neither case without the normaliser was measured).
+            if normalizer and H > Hkv:
+                wide = False
             self.BK_g = min(np2(K), 64 if wide else 32)
             self.BV_g = min(max(16, np2(V)), 64)
             self.BK_seq = min(np2(K), 64)
@@ -1153,7 +1159,7 @@ def _forward(q, k, v, g, scale, h0, want_ht, cu_seqlens, tiles, chunk, segment, 
     B, T, H, Hkv, K, V, N = _check(q, k, v, g, h0, cu_seqlens, chunked=True,
                                    normalizer=normalizer)
     VS = V + int(normalizer)                        # state columns (z last) and o's columns
-    cfg = _Config(B, T, H, Hkv, K, V, N, q.dtype, q.device, tiles, chunk)
+    cfg = _Config(B, T, H, Hkv, K, V, N, q.dtype, q.device, tiles, chunk, normalizer=bool(normalizer))
     if segment is not None:                         # private: force the segment length (tests)
         cfg.seg_len = int(segment)
     if cu_seqlens is not None:

@@ -21,8 +21,10 @@ from glaswap.cli import main
 from glaswap.distill import data as D
 from glaswap.distill import distill, load_recipe
 from glaswap.distill.losses import kd_loss, next_token_labels
-from glaswap.distill.train import Interrupted
+from glaswap.distill.parallel import Dist
+from glaswap.distill.train import Interrupted, evaluate_blocks
 from glaswap.errors import GlaswapError
+from glaswap.models.modeling_glaswap import GLASwapForCausalLM
 
 RECIPES = sorted((REPO / "recipes").glob("*.yaml"))
 
@@ -160,8 +162,16 @@ def _quiet(*_args, **_kwargs):
     pass
 
 
-def test_tiny_distill_end_to_end(tmp_path):
-    recipe = load_recipe(tiny_recipe(tmp_path, s1=6, s2=4))
+# The GPU recipe's choices (session 5): hedgehog_pm maps and LoRA on the MLP too.
+VARIANTS = {"default": {},
+            "pm_mlp": {"model": {"options": {"gate": "lowrank", "feature_map": "hedgehog_pm"}},
+                       "stage2": {"lora_targets": ["q_proj", "k_proj", "v_proj", "o_proj",
+                                                   "gate_proj", "up_proj", "down_proj"]}}}
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_tiny_distill_end_to_end(tmp_path, variant):
+    recipe = load_recipe(tiny_recipe(tmp_path, s1=6, s2=4, **VARIANTS[variant]))
     out = tmp_path / "out"
     meta = distill(recipe, out=out, log=_quiet)
     for name in ("model.safetensors", "config.json", "glaswap.json", "modeling_glaswap.py", "recipe.yaml",
@@ -176,6 +186,16 @@ def test_tiny_distill_end_to_end(tmp_path):
               if r.get("stage") == 1 and "loss" in r]
     assert len(losses) == 6 and losses[-1] < losses[0], losses
     assert load_recipe(out / "recipe.yaml").stage1.steps == 6   # the resolved recipe is a valid recipe
+
+    # The saved model (LoRA merged) scores the evaluation text as the trained model did.
+    tokens = D.load_sources(recipe.data.train, None, _quiet, 128)
+    eval_blocks = D.PackedBlocks(D.split_heldout(tokens, recipe.data.heldout_fraction)[1], recipe.data.seq_len)
+    saved = GLASwapForCausalLM.from_pretrained(str(out), dtype=torch.float32)
+    again = evaluate_blocks(saved, eval_blocks, recipe.data.eval_tokens, 2, torch.device("cpu"), torch.float32,
+                            Dist())
+    assert again["tokens"] == ev["stage2"]["tokens"]
+    # (tight: dropping one layer's down_proj LoRA delta moves it by 2e-4 in the pm_mlp case)
+    assert abs(again["student_ppl"] / ev["stage2"]["student_ppl"] - 1) < 1e-6, (again, ev["stage2"])
 
     code = f"""
 import torch
