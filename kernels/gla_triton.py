@@ -1095,8 +1095,9 @@ class _Config:
             # Except with grouped queries and the normaliser: the head loop's and the
             # normaliser's extra tiles make the merged kernel spill 2.1 KB at 4 warps (ptxas),
             # 0.8 KB (+88 B in dv) with K tiles of 32. H200, 1x16384 H32/kv8 D64: 1.549 ->
-            # 1.301 ms f+b (session 5; neither case without the normaliser was measured).
-            if normalizer and H > Hkv:
+            # 1.301 ms f+b (session 5). Not measured: K > 64 (hedgehog_pm's 128, where
+            # 64-wide tiles halve the recomputed do v^T), nor either case without it.
+            if normalizer and H > Hkv and K <= 64:
                 wide = False
             self.BK_g = min(np2(K), 64 if wide else 32)
             self.BV_g = min(max(16, np2(V)), 64)

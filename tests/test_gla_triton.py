@@ -248,6 +248,19 @@ def test_segment_plan():
     assert docs.offsets.tolist()[-1] == docs.total
 
 
+def test_dqkg_tiles():
+    """bf16 K tiles of the dq/dk/dg kernel as measured on the H200: 64 wide (dv merged at
+    K <= 64), except 32 with grouped queries and the normaliser at K <= 64 (session 5)."""
+    def cfg(H, Hkv, K, norm, dtype=torch.bfloat16):
+        c = gla_triton._Config(1, 16384, H, Hkv, K, 64, 1, dtype, torch.device("cpu"), normalizer=norm)
+        return c.BK_g, c.merge_dv
+    assert cfg(32, 8, 64, norm=True) == (32, False)
+    assert cfg(32, 8, 64, norm=False) == (64, True)
+    assert cfg(32, 32, 64, norm=True) == (64, True)
+    assert cfg(32, 8, 128, norm=True) == (64, False)
+    assert cfg(32, 8, 64, norm=True, dtype=torch.float32) == (32, False)
+
+
 @needs_kernels
 @pytest.mark.parametrize("case", ["plain", "gqa_varlen", "segmented_tiles", "bf16"])
 def test_in_kernel_normalizer(case):
