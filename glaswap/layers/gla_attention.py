@@ -21,8 +21,8 @@ from torch import nn
 from glaswap_kernels.gla_ops import HAS_TRITON, chunk_gla, feature_map, normalize, recurrent_gla, with_ones
 from glaswap_kernels.gla_torch import apply_rope
 
-GATES = ("lowrank", "key", "scalar")
-FEATURE_MAPS = ("identity", "softmax", "hedgehog", "hedgehog_pm")
+# The allowed gates and feature maps: configuration_glaswap.GLA_OPTIONS (and cli.py's choices).
+LEARNED_MAPS = ("hedgehog", "hedgehog_pm")   # the maps with a per-head matrix W
 MODES = ("gla", "softmax")
 
 
@@ -60,7 +60,7 @@ class FeatureMap(nn.Module):
     def __init__(self, kind, heads, dim):
         super().__init__()
         self.kind = kind
-        if kind in ("hedgehog", "hedgehog_pm"):
+        if kind in LEARNED_MAPS:
             self.weight = nn.Parameter(torch.eye(dim).repeat(heads, 1, 1))
 
     def forward(self, x, cos=None, sin=None, backend="auto"):
@@ -125,7 +125,7 @@ class GLAAttention(nn.Module):
         elif cfg.gate == "scalar":
             self.gate_proj.weight.zero_()
             self.gate_proj.bias.fill_(bias)
-        if cfg.feature_map in ("hedgehog", "hedgehog_pm"):
+        if cfg.feature_map in LEARNED_MAPS:
             for m in (self.q_map, self.k_map):
                 m.weight.copy_(torch.eye(self.head_dim).repeat(m.weight.shape[0], 1, 1))
 
