@@ -349,11 +349,28 @@ PTXAS_CASES = [
 ]
 
 
-def ptxas_report(cases=PTXAS_CASES, arch=90, out=sys.stdout):
+# The layer's smaller kernels: (dtype, tokens, heads, head dim, hedgehog_pm) for the feature
+# map (forward, backward with dW), the normaliser and the gate at the same sizes.
+PTXAS_LAYER_CASES = [
+    ("bf16", 256, 32, 64, False),
+    ("bf16", 256, 32, 64, True),
+    ("bf16", 256, 16, 128, False),
+]
+
+
+class _Ctx:
+    """A stand-in for autograd's ctx, to run an autograd.Function's forward and backward by hand."""
+
+    def save_for_backward(self, *tensors):
+        self.saved_tensors = tensors
+
+
+def ptxas_report(cases=PTXAS_CASES, arch=90, out=sys.stdout, layer_cases=PTXAS_LAYER_CASES):
     """Runs the host code of fused_chunk_gla (forward + backward) and fused_recurrent_gla on
-    CPU tensors with every kernel launch recorded instead of run, compiles each recorded
-    launch for sm_<arch> with Triton and ptxas, and prints registers, spills and shared
-    memory. Needs no GPU and TRITON_INTERPRET unset. Returns the rows (dicts)."""
+    CPU tensors, and of the feature-map, normaliser and gate kernels (`layer_cases`), with
+    every kernel launch recorded instead of run, compiles each recorded launch for
+    sm_<arch> with Triton and ptxas, and prints registers, spills and shared memory. Needs no
+    GPU and TRITON_INTERPRET unset. Returns the rows (dicts)."""
     if os.environ.get("TRITON_INTERPRET") == "1":
         raise RuntimeError("the compile report needs TRITON_INTERPRET unset")
     import re
@@ -365,6 +382,7 @@ def ptxas_report(cases=PTXAS_CASES, arch=90, out=sys.stdout):
     from triton.runtime.jit import JITFunction
 
     _, gla_triton = _import_kernels()
+    from glaswap_kernels import feature_map_triton, gate_triton, normalizer_triton
     tdt = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32",
            torch.int32: "i32", torch.int64: "i64"}
     calls = []
@@ -377,11 +395,12 @@ def ptxas_report(cases=PTXAS_CASES, arch=90, out=sys.stdout):
             return lambda *args, **kwargs: calls.append((self.fn, grid, args, kwargs))
 
     saved = {}
-    for name in dir(gla_triton):
-        obj = getattr(gla_triton, name)
-        if isinstance(obj, JITFunction) and name.endswith("_kernel"):
-            saved[name] = obj
-            setattr(gla_triton, name, Recorder(obj))
+    for mod in (gla_triton, feature_map_triton, normalizer_triton, gate_triton):
+        for name in dir(mod):
+            obj = getattr(mod, name)
+            if isinstance(obj, JITFunction) and name.endswith("_kernel"):
+                saved[(mod, name)] = obj
+                setattr(mod, name, Recorder(obj))
     saved_interp = gla_triton._interpreting
     gla_triton._interpreting = lambda: True          # accept CPU tensors: nothing launches
     try:
@@ -404,9 +423,20 @@ def ptxas_report(cases=PTXAS_CASES, arch=90, out=sys.stdout):
             if docs is None and not norm:
                 gla_triton.fused_recurrent_gla(q[:, :1], k[:, :1], v[:, :1], k[:, :1],
                                                initial_state=h0, output_final_state=True)
+        for dt, T, H, D, pm in layer_cases:
+            dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[dt]
+            x, cs = torch.zeros(1, T, H, D, dtype=dtype), torch.zeros(1, T, D)
+            for fn, args, grad in (
+                    (feature_map_triton._FusedFeatureMap, (x, cs, cs, torch.zeros(H, D, D), True, pm),
+                     torch.zeros(1, T, H, D * (1 + pm), dtype=dtype)),
+                    (normalizer_triton._Normalize, (torch.zeros(1, T, H, D + 1, dtype=dtype), 1e-6), x),
+                    (gate_triton._Gate, (x, 16.0, 1 + pm), torch.zeros(1, T, H, D * (1 + pm), dtype=dtype))):
+                ctx = _Ctx()
+                fn.forward(ctx, *args)
+                fn.backward(ctx, grad)
     finally:
-        for name, obj in saved.items():
-            setattr(gla_triton, name, obj)
+        for (mod, name), obj in saved.items():
+            setattr(mod, name, obj)
         gla_triton._interpreting = saved_interp
 
     ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
@@ -456,7 +486,7 @@ def ptxas_report(cases=PTXAS_CASES, arch=90, out=sys.stdout):
             spills = int(m.group(1)) if m else None
         shown = {k: v for k, v in constexprs.items()
                  if k in ("K", "V", "BT", "BK", "BV", "R", "NK", "NV", "WITH_DV", "IS_VARLEN",
-                          "DOT_BF16", "NORM", "SEGMENTED")}
+                          "DOT_BF16", "NORM", "SEGMENTED", "D", "PM", "DW_MODE")}
         row = dict(kernel=fn.__name__, grid=str(grid), regs=regs, spill_bytes=spills,
                    smem=compiled.metadata.shared, **options, **shown)
         rows.append(row)

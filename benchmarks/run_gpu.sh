@@ -16,6 +16,8 @@
 #   bash benchmarks/run_gpu.sh next5         # LoRA input casts off vs on, hedgehog_pm: 1B step
 #   bash benchmarks/run_gpu.sh tune16k       # dq/dk/dg launch variants with the normaliser, 1B step
 #   bash benchmarks/run_gpu.sh next6         # GPU tests, kernel table, 1B step (session 6)
+#   bash benchmarks/run_gpu.sh next7         # 1B step with the fused gate, then the GPU tests
+#   bash benchmarks/run_gpu.sh next8         # GPU tests (one-kernel hedgehog_pm), 1B step with pm
 #   bash benchmarks/run_gpu.sh quality "NAME:OVERRIDES" ...  # GPU recipe runs, in turn
 #       (after the payload steps; call again to resume the unfinished ones)
 # The payload (built on a CPU machine, see NOTES.md) holds the SmolLM2 GGUF, the token
@@ -155,6 +157,15 @@ next6)      # session 6's first call: GPU tests (BK_g=32 with GQA + normaliser i
   timeout 400 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_layer_kernels.py tests/test_gla_triton.py 2>&1 | tail -2 || true
   timeout 150 python3 benchmarks/bench_kernels.py --only glaswap --json "$OUT/kernels.json" 2>&1 | tail -16 || true
   timeout 130 python3 benchmarks/bench_distill.py --shapes llama-3.2-1b 2>&1 | tail -7 || true ;;
+next7)      # session 6: the 1B step with the fused gate kernel (the 16K target first), then
+            # the GPU tests (new: the gate kernel; BK_g=32 with GQA + normaliser, session 5)
+  timeout 140 python3 benchmarks/bench_distill.py --shapes llama-3.2-1b --json "$OUT/distill_bench.json" 2>&1 | tail -7 || true
+  timeout 400 python3 -m pytest -q -rfE -p no:cacheprovider -m gpu tests/test_layer_kernels.py tests/test_gla_triton.py 2>&1 | tail -8 || true ;;
+next8)      # session 7's first call: the GPU tests (new: hedgehog_pm's map as one kernel), then
+            # the 1B step with hedgehog_pm (two calls a map in session 5: 295.7 ms at 16K)
+  timeout 330 python3 -m pytest -q -rfE -p no:cacheprovider -m gpu tests/test_layer_kernels.py tests/test_gla_triton.py 2>&1 | tail -8 || true
+  timeout 140 python3 benchmarks/bench_distill.py --shapes llama-3.2-1b --option feature_map=hedgehog_pm \
+      --json "$OUT/distill_bench_pm.json" 2>&1 | tail -7 || true ;;
 quality)    # runs of the GPU recipe, one after another (two processes sharing the GPU ran
             # 4-5x slower each: NOTES, session 4); each NAME:OVERRIDES gets runs/NAME and
             # LIMIT seconds; call again with the same specs to resume the unfinished ones.

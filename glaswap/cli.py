@@ -56,6 +56,9 @@ def main():
 @click.option("--normalizer/--no-normalizer", default=True, show_default=True,
               help="Divide by the linear-attention denominator (needs softmax, hedgehog or hedgehog_pm).")
 @click.option("--rope/--no-rope", default=True, show_default=True, help="Keep RoPE on q and k.")
+@click.option("--state-heads", type=click.Choice(["kv", "query"]), default="kv", show_default=True,
+              help="kv: query heads of a GQA group share one recurrent state; query: one state per query head "
+                   "(own key feature map and gate; R times the state and its kernel work).")
 @click.option("--dtype", type=click.Choice(["auto", "bfloat16", "float16", "float32"]), default="auto",
               show_default=True, help="Weights dtype (auto: the source's; bfloat16 for GGUF).")
 @click.option("--max-shard-size", default="2GB", show_default=True)
@@ -64,13 +67,13 @@ def main():
               help="Teacher vs converted perplexity on sample text at the end.")
 @click.option("--force", is_flag=True, help="Replace OUT if it exists.")
 @_friendly
-def convert(source, out, gate, gate_rank, gate_init_decay, feature_map, normalizer, rope, dtype, max_shard_size,
-            seed, report, force):
+def convert(source, out, gate, gate_rank, gate_init_decay, feature_map, normalizer, rope, state_heads, dtype,
+            max_shard_size, seed, report, force):
     """Convert SOURCE (a model folder, a .gguf file, a hub id, or smollm2-135m) into a GLA model in OUT."""
     from glaswap.convert import convert as run
 
     options = {"gate": gate, "gate_rank": gate_rank, "gate_init_decay": gate_init_decay,
-               "feature_map": feature_map, "normalizer": normalizer, "use_rope": rope}
+               "feature_map": feature_map, "normalizer": normalizer, "use_rope": rope, "state_heads": state_heads}
     run(source, out, options=options, force=force, dtype=dtype, max_shard_size=max_shard_size, report=report,
         seed=seed, log=click.echo)
 

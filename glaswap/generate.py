@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 from glaswap.errors import GlaswapError
-from glaswap.layers.gla_attention import feature_dim
+from glaswap.layers.gla_attention import feature_dim, state_heads
 from glaswap.models.modeling_glaswap import GLASwapCache
 
 DEFAULT_CONTEXTS = (1024, 4096, 16384, 32768)
@@ -50,7 +50,7 @@ class _StaticStep:
         self.model = model
         self.ids = torch.zeros(batch_size, 1, dtype=torch.long, device=dev)
         self.pos = torch.zeros(batch_size, 1, dtype=torch.long, device=dev)
-        self.states = [torch.zeros(batch_size, cfg.num_key_value_heads, feature_dim(cfg), v_dim,
+        self.states = [torch.zeros(batch_size, state_heads(cfg), feature_dim(cfg), v_dim,
                                    dtype=torch.float32, device=dev) for _ in range(cfg.num_hidden_layers)]
         self.cache = GLASwapCache(cfg.num_hidden_layers)
         self.logits = None

@@ -3,7 +3,10 @@
     phi(x) = softmax(rope(x) W_h)     over the head dimension, one D x D matrix W_h per head
 
 It is what `gla_torch.feature_map_torch` computes (the Hedgehog map of LoLCATs; W = identity
-gives the plain softmax map), in one pass over x forward and one backward. Done in
+gives the plain softmax map), in one pass over x forward and one backward. With pm=True it
+writes [softmax(rope(x) W_h), softmax(-rope(x) W_h)] (2D wide, the hedgehog_pm map) from the
+same product rope(x) W_h: one kernel, one x read and one dW for both halves instead of two
+calls, a cat and a negated W. Done in
 PyTorch the same map is ~10 element-wise passes over a [B, T, H, D] tensor forward and
 ~20 backward (casts to float32 and back, the rotation's slices, the einsum's layout copies,
 softmax), which cost a 1B student step more time than the GLA kernels themselves
@@ -68,43 +71,54 @@ def _rotated(x, cos, sin, rows, c, N, T, stride_x, stride_cb, stride_ct, i_h,
 
 
 @triton.jit
-def _probs(r1, r2, w, i_h, stride_wh, c, e, D: tl.constexpr, D2: tl.constexpr, DOT_BF16: tl.constexpr):
-    """softmax(r W_h) of a block (columns past D are 0), and W_h's two row halves."""
+def _softmax(y, e, D: tl.constexpr):
+    """Row softmax over the first D columns (0 past them)."""
+    y = tl.where((e < D)[None, :], y, float("-inf"))
+    y = tl.exp(y - tl.max(y, axis=1)[:, None])
+    return y / tl.sum(y, axis=1)[:, None]
+
+
+@triton.jit
+def _logits(r1, r2, w, i_h, stride_wh, c, e, D: tl.constexpr, D2: tl.constexpr, DOT_BF16: tl.constexpr):
+    """r W_h of a block (columns past D are 0), and W_h's two row halves."""
     wm = (c < D2)[:, None] & (e < D)[None, :]
     pw = w + i_h * stride_wh + c[:, None] * D + e[None, :]
     w1 = tl.load(pw, mask=wm, other=0.0)
     w2 = tl.load(pw + D2 * D, mask=wm, other=0.0)
-    y = _dot(r1, w1, DOT_BF16) + _dot(r2, w2, DOT_BF16)
-    y = tl.where((e < D)[None, :], y, float("-inf"))
-    y = tl.exp(y - tl.max(y, axis=1)[:, None])
-    return y / tl.sum(y, axis=1)[:, None], w1, w2
+    return _dot(r1, w1, DOT_BF16) + _dot(r2, w2, DOT_BF16), w1, w2
 
 
 @triton.jit
 def _fm_fwd_kernel(x, cos, sin, w, out, N, T, stride_x, stride_cb, stride_ct, stride_wh,
                    D: tl.constexpr, D2: tl.constexpr, BD2: tl.constexpr, BD: tl.constexpr,
-                   BN: tl.constexpr, ROPE: tl.constexpr, DOT_BF16: tl.constexpr):
+                   BN: tl.constexpr, ROPE: tl.constexpr, PM: tl.constexpr, DOT_BF16: tl.constexpr):
+    """out rows are (1 + PM) * D wide per head: softmax(y), then (PM) softmax(-y)."""
     i_n, i_h = tl.program_id(0), tl.program_id(1)
     rows = i_n.to(tl.int64) * BN + tl.arange(0, BN)
     c = tl.arange(0, BD2)
     e = tl.arange(0, BD)
     r1, r2, _, _, _, _ = _rotated(x, cos, sin, rows, c, N, T, stride_x, stride_cb, stride_ct, i_h,
                                   D, D2, ROPE)
-    p, _, _ = _probs(r1, r2, w, i_h, stride_wh, c, e, D, D2, DOT_BF16)
-    po = out + rows[:, None] * stride_x + i_h * D + e[None, :]
-    tl.store(po, p.to(out.dtype.element_ty), mask=(rows < N)[:, None] & (e < D)[None, :])
+    y, _, _ = _logits(r1, r2, w, i_h, stride_wh, c, e, D, D2, DOT_BF16)
+    m = (rows < N)[:, None] & (e < D)[None, :]
+    po = out + rows[:, None] * (stride_x * (1 + PM)) + i_h * (D * (1 + PM)) + e[None, :]
+    tl.store(po, _softmax(y, e, D).to(out.dtype.element_ty), mask=m)
+    if PM:
+        tl.store(po + D, _softmax(-y, e, D).to(out.dtype.element_ty), mask=m)
 
 
 @triton.jit
 def _fm_bwd_kernel(x, cos, sin, w, dout, dx, dw, rbuf, dybuf, N, T, stride_x, stride_cb, stride_ct,
                    stride_wh, blocks_per_program,
                    D: tl.constexpr, D2: tl.constexpr, BD2: tl.constexpr, BD: tl.constexpr,
-                   BN: tl.constexpr, ROPE: tl.constexpr, DW_MODE: tl.constexpr,
+                   BN: tl.constexpr, ROPE: tl.constexpr, PM: tl.constexpr, DW_MODE: tl.constexpr,
                    DOT_BF16: tl.constexpr):
     """Program (i_p, i_h) recomputes and differentiates a run of row blocks of head i_h.
     DW_MODE 0: no dW. 1: its share of dW_h goes to dw[i_p, i_h] (summed on the host:
     deterministic, no atomics). 2: it stores rope(x) and dy = d(xW) to rbuf, dybuf, and the
-    host computes dW_h = sum_rows rope(x)^T dy as one batched matmul: no accumulators here."""
+    host computes dW_h = sum_rows rope(x)^T dy as one batched matmul: no accumulators here.
+    PM: dout has both halves; dy = d(xW) is the first half's softmax backward minus the
+    second's (the second half is softmax(-y)), so everything after dy is shared."""
     i_p, i_h = tl.program_id(0), tl.program_id(1)
     c = tl.arange(0, BD2)
     e = tl.arange(0, BD)
@@ -114,11 +128,16 @@ def _fm_bwd_kernel(x, cos, sin, w, dout, dx, dw, rbuf, dybuf, N, T, stride_x, st
         rows = (i_p.to(tl.int64) * blocks_per_program + j) * BN + tl.arange(0, BN)
         r1, r2, c1, c2, s1, s2 = _rotated(x, cos, sin, rows, c, N, T, stride_x, stride_cb, stride_ct,
                                           i_h, D, D2, ROPE)
-        p, w1, w2 = _probs(r1, r2, w, i_h, stride_wh, c, e, D, D2, DOT_BF16)
+        y, w1, w2 = _logits(r1, r2, w, i_h, stride_wh, c, e, D, D2, DOT_BF16)
         m = (rows < N)[:, None] & (e < D)[None, :]
-        do = tl.load(dout + rows[:, None] * stride_x + i_h * D + e[None, :], mask=m, other=0.0)
-        do = do.to(tl.float32)
+        pdo = dout + rows[:, None] * (stride_x * (1 + PM)) + i_h * (D * (1 + PM)) + e[None, :]
+        p = _softmax(y, e, D)
+        do = tl.load(pdo, mask=m, other=0.0).to(tl.float32)
         dy = p * (do - tl.sum(p * do, axis=1)[:, None])      # softmax backward; 0 on padding
+        if PM:
+            p = _softmax(-y, e, D)
+            do = tl.load(pdo + D, mask=m, other=0.0).to(tl.float32)
+            dy -= p * (do - tl.sum(p * do, axis=1)[:, None])
         mh = (rows < N)[:, None] & (c < D2)[None, :]
         if DW_MODE == 1:
             dw1 += _dot(tl.trans(r1), dy, DOT_BF16)
@@ -153,7 +172,7 @@ def _launch_shape(D):
 
 class _FusedFeatureMap(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, cos, sin, w, need_dw):
+    def forward(ctx, x, cos, sin, w, need_dw, pm):
         B, T, H, D = x.shape
         N = B * T
         D2, BD2, BD = _launch_shape(D)
@@ -166,20 +185,20 @@ class _FusedFeatureMap(torch.autograd.Function):
         else:
             cos = sin = x
             stride_cb = stride_ct = 0
-        out = _new(x.shape, x.dtype, x.device)
+        out = _new((B, T, H, D * (1 + pm)), x.dtype, x.device)
         BN = LAUNCH["BN"]
         _fm_fwd_kernel[(_cdiv(N, BN), H)](
             x, cos, sin, w, out, N, T, H * D, stride_cb, stride_ct, w.stride(0),
-            D=D, D2=D2, BD2=BD2, BD=BD, BN=BN, ROPE=rope, DOT_BF16=x.dtype == torch.bfloat16,
+            D=D, D2=D2, BD2=BD2, BD=BD, BN=BN, ROPE=rope, PM=pm, DOT_BF16=x.dtype == torch.bfloat16,
             num_warps=LAUNCH["warps"], num_stages=LAUNCH["stages"])
         ctx.save_for_backward(x, cos, sin, w)
-        ctx.meta = (rope, stride_cb, stride_ct, need_dw)
+        ctx.meta = (rope, stride_cb, stride_ct, need_dw, pm)
         return out
 
     @staticmethod
     def backward(ctx, dout):
         x, cos, sin, w = ctx.saved_tensors
-        rope, stride_cb, stride_ct, need_dw = ctx.meta
+        rope, stride_cb, stride_ct, need_dw, pm = ctx.meta
         B, T, H, D = x.shape
         N = B * T
         D2, BD2, BD = _launch_shape(D)
@@ -201,7 +220,7 @@ class _FusedFeatureMap(torch.autograd.Function):
         rbuf, dybuf = (_new(x.shape, x.dtype, x.device) for _ in range(2)) if mode == 2 else (x, x)
         _fm_bwd_kernel[(programs, H)](
             x, cos, sin, w, dout, dx, dw, rbuf, dybuf, N, T, H * D, stride_cb, stride_ct, w.stride(0),
-            per_program, D=D, D2=D2, BD2=BD2, BD=BD, BN=BN, ROPE=rope, DW_MODE=mode,
+            per_program, D=D, D2=D2, BD2=BD2, BD=BD, BN=BN, ROPE=rope, PM=pm, DW_MODE=mode,
             DOT_BF16=x.dtype == torch.bfloat16, num_warps=LAUNCH["warps"], num_stages=LAUNCH["stages"])
         if mode == 1:
             dw = dw.sum(0)
@@ -210,13 +229,14 @@ class _FusedFeatureMap(torch.autograd.Function):
             dw = dw.float()
         else:
             dw = None
-        return dx, None, None, dw, None
+        return dx, None, None, dw, None, None
 
 
-def fused_feature_map(x, cos=None, sin=None, weight=None):
+def fused_feature_map(x, cos=None, sin=None, weight=None, pm=False):
     """softmax(rope(x) W_h) over the last dimension: x [B, T, H, D]; cos, sin [B or 1, T, D]
     or None (no rotation); weight [H, D, D] (float32, differentiable) or None (identity: the
-    plain softmax map). Returns [B, T, H, D] in x's dtype."""
+    plain softmax map). Returns [B, T, H, D] in x's dtype; with pm=True [B, T, H, 2D]:
+    [softmax(rope(x) W_h), softmax(-rope(x) W_h)]."""
     if x.dim() != 4 or x.shape[-1] % 2:
         raise ValueError(f"fused_feature_map wants x [B, T, H, D] with D even, got {tuple(x.shape)}")
     B, T, H, D = x.shape
@@ -236,4 +256,4 @@ def fused_feature_map(x, cos=None, sin=None, weight=None):
         w = weight.float()
     if w.stride(-1) != 1 or w.stride(-2) != D:
         w = w.contiguous()
-    return _FusedFeatureMap.apply(x.contiguous(), cos, sin, w, need_dw)
+    return _FusedFeatureMap.apply(x.contiguous(), cos, sin, w, need_dw, bool(pm))

@@ -15,11 +15,12 @@ from .gla_torch import chunk_gla_torch, feature_map_torch, recurrent_gla_torch
 
 try:  # Triton is optional: a saved model must load on machines without it.
     from .feature_map_triton import fused_feature_map
+    from .gate_triton import fused_gate
     from .gla_triton import fused_chunk_gla, fused_recurrent_gla
     from .normalizer_triton import fused_normalize
     HAS_TRITON = True
 except Exception:  # ImportError, or a Triton too old for the kernels
-    fused_chunk_gla = fused_recurrent_gla = fused_feature_map = fused_normalize = None
+    fused_chunk_gla = fused_recurrent_gla = fused_feature_map = fused_normalize = fused_gate = None
     HAS_TRITON = False
 
 BACKENDS = ("auto", "triton", "torch")
@@ -66,12 +67,13 @@ def chunk_gla(q, k, v, g, scale=None, initial_state=None, output_final_state=Fal
                            cu_seqlens=cu_seqlens)
 
 
-def feature_map(x, cos=None, sin=None, weight=None, softmax=True, backend="auto"):
-    """phi(x) = softmax(rope(x) W_h) over the head dimension (see gla_torch.feature_map_torch):
-    one fused Triton kernel each way on CUDA, PyTorch elsewhere and for the identity map."""
+def feature_map(x, cos=None, sin=None, weight=None, softmax=True, backend="auto", pm=False):
+    """phi(x) = softmax(rope(x) W_h) over the head dimension (see gla_torch.feature_map_torch;
+    pm=True: both softmax(+-rope(x) W_h), 2D wide): one fused Triton kernel each way on CUDA,
+    PyTorch elsewhere and for the identity map."""
     if softmax and x.shape[-1] % 2 == 0 and _use_triton(x, backend):
-        return fused_feature_map(x, cos, sin, weight)
-    return feature_map_torch(x, cos, sin, weight, softmax=softmax)
+        return fused_feature_map(x, cos, sin, weight, pm=pm)
+    return feature_map_torch(x, cos, sin, weight, softmax=softmax, pm=pm)
 
 
 def normalize(o, eps=1e-6, backend="auto"):
@@ -80,6 +82,15 @@ def normalize(o, eps=1e-6, backend="auto"):
         return fused_normalize(o, eps)
     num, den = o[..., :-1], o[..., -1:]
     return num / (den.float() + eps).to(num.dtype)
+
+
+def gate_logsigmoid(x, normalizer, repeat=1, backend="auto"):
+    """Gate logits x [..., D] -> log-decays logsigmoid(x) / normalizer (float32 maths, x's
+    dtype), repeated `repeat` times along the last dimension: [..., repeat * D]."""
+    if _use_triton(x, backend):
+        return fused_gate(x, normalizer, repeat)
+    g = (torch.nn.functional.logsigmoid(x.float()) / normalizer).to(x.dtype)
+    return torch.cat([g] * repeat, dim=-1) if repeat > 1 else g
 
 
 def recurrent_gla(q, k, v, g, scale=None, initial_state=None, output_final_state=False,

@@ -149,9 +149,10 @@ def apply_rope(x, cos, sin):
     return x * cos + rotate_half(x) * sin
 
 
-def feature_map_torch(x, cos=None, sin=None, weight=None, softmax=True):
+def feature_map_torch(x, cos=None, sin=None, weight=None, softmax=True, pm=False):
     """phi(x) in front of GLA: rope(x) (when cos, sin are given), then, with softmax=True,
-    softmax(rope(x) W_h) over the head dimension (W_h = weight[h], D x D; identity if None).
+    softmax(rope(x) W_h) over the head dimension (W_h = weight[h], D x D; identity if None);
+    pm=True: [softmax(rope(x) W_h), softmax(-rope(x) W_h)], 2D wide (hedgehog_pm).
     x [B, T, H, D]; weight [H, D, D]. The reference for feature_map_triton."""
     if cos is not None:
         x = apply_rope(x, cos, sin)
@@ -161,4 +162,6 @@ def feature_map_torch(x, cos=None, sin=None, weight=None, softmax=True):
     x = x.float()
     if weight is not None:
         x = torch.einsum("bthd,hde->bthe", x, weight.float())
+    if pm:
+        return torch.cat([torch.softmax(x, dim=-1), torch.softmax(-x, dim=-1)], dim=-1).to(dtype)
     return torch.softmax(x, dim=-1).to(dtype)

@@ -108,6 +108,30 @@ def test_gate_and_feature_options_recorded(tmp_path):
         assert ("gate_proj" in " ".join(names)) == (gate == "scalar")
 
 
+def test_state_per_query_head_starts_as_shared_state(tmp_path):
+    """state_heads="query" gives every query head its own key map, gate and state; converted,
+    they start as copies of their KV head's, so the logits equal the shared-state model's, and
+    they can then differ: a change to one query head's key map changes the output."""
+    src = save_teacher(tiny_teacher("llama"), tmp_path / "src")
+    ids = torch.randint(0, 128, (2, 37), generator=torch.Generator().manual_seed(0))
+    logits = {}
+    for heads in ("kv", "query"):   # through the CLI option
+        result = CliRunner().invoke(main, ["convert", str(src), str(tmp_path / heads), "--state-heads", heads,
+                                           "--no-report", "--seed", "3"])
+        assert result.exit_code == 0, result.output
+        model = _load(tmp_path / heads)
+        assert model.config.state_heads == heads
+        attn = model.model.layers[0].self_attn
+        n = model.config.num_attention_heads if heads == "query" else model.config.num_key_value_heads
+        assert attn.k_map.weight.shape[0] == n and attn.gate_up.out_features == n * model.config.head_dim
+        with torch.no_grad():
+            logits[heads] = model(ids).logits
+    torch.testing.assert_close(logits["query"], logits["kv"], rtol=1e-5, atol=1e-5)
+    with torch.no_grad():
+        attn.k_map.weight[1].add_(0.5 * torch.randn_like(attn.k_map.weight[1]))   # query head 1 only
+        assert (model(ids).logits - logits["query"]).abs().max() > 1e-3
+
+
 def test_out_exists_refused_then_forced(tmp_path):
     src = save_teacher(tiny_teacher("llama"), tmp_path / "src")
     out = tmp_path / "out"

@@ -27,6 +27,7 @@ VARIANTS = {
     "qwen3-key": ("qwen3", True, {"gate": "key", "feature_map": "softmax"}),        # q/k norms, tied
     "qwen2-scalar": ("qwen2", False, {"gate": "scalar", "feature_map": "identity", "normalizer": False}),
     "mistral-pm": ("mistral", False, {"feature_map": "hedgehog_pm"}),                # state rows 2 x head dim
+    "llama-qstate": ("llama", False, {"state_heads": "query"}),                     # a state per query head
 }
 PAD = 0
 
@@ -136,7 +137,7 @@ def test_triton_decode_step_matches_triton_prefill(folders):
     torch.testing.assert_close(torch.cat(steps, 1), full, rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.parametrize("variant, rows", [("llama", 1), ("mistral-pm", 2)])
+@pytest.mark.parametrize("variant, rows", [("llama", 1), ("mistral-pm", 2), ("llama-qstate", 1)])
 def test_cache_states_are_constant_size(folders, variant, rows):
     model = _load(folders[variant])
     cfg = model.config
@@ -145,7 +146,9 @@ def test_cache_states_are_constant_size(folders, variant, rows):
         for T in (5, 50):
             cache = model(torch.randint(0, 128, (1, T)), use_cache=True).past_key_values
             sizes.append([tuple(s.shape) for s in cache.states])
-    assert sizes[0] == sizes[1] == [(1, cfg.num_key_value_heads, rows * cfg.head_dim, cfg.head_dim + 1)] * 2
+    heads = cfg.num_attention_heads if cfg.state_heads == "query" else cfg.num_key_value_heads
+    assert heads < cfg.num_attention_heads or variant == "llama-qstate"
+    assert sizes[0] == sizes[1] == [(1, heads, rows * cfg.head_dim, cfg.head_dim + 1)] * 2
 
 
 @pytest.mark.parametrize("variant", VARIANTS)

@@ -437,8 +437,10 @@ def test_kernels_compile_for_hopper():
              ("fp32", 1, 512, 4, 4, 80, 65, None),
              ("fp16", 1, 256, 2, 2, 256, 257, None),
              ("bf16", 1, 8192, 4, 2, 64, 64, [5000, 3192], True)]      # segmented, normaliser
+    layer_cases = [("bf16", 128, 4, 64, True), ("fp32", 128, 2, 48, False)]   # feature map, normaliser, gate
     code = ("import sys, json; sys.path.insert(0, %r); import bench_kernels as b; "
-            "rows = b.ptxas_report(%r); print('ROWS', json.dumps(rows))" % (bench_dir, cases))
+            "rows = b.ptxas_report(%r, layer_cases=%r); print('ROWS', json.dumps(rows))"
+            % (bench_dir, cases, layer_cases))
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
@@ -447,7 +449,9 @@ def test_kernels_compile_for_hopper():
     rows = json.loads(res.stdout.split("ROWS ", 1)[1])
     names = {r["kernel"] for r in rows}
     assert names >= {"_fwd_state_kernel", "_fwd_output_kernel", "_bwd_dh_kernel",
-                     "_bwd_dqkg_kernel", "_bwd_dv_kernel", "_recurrent_kernel"}, names
+                     "_bwd_dqkg_kernel", "_bwd_dv_kernel", "_recurrent_kernel", "_fm_fwd_kernel",
+                     "_fm_bwd_kernel", "_normalize_fwd_kernel", "_normalize_bwd_kernel", "_gate_fwd_kernel",
+                     "_gate_bwd_kernel"}, names
 
 
 # ---------------------------------------------------------------------------------------

@@ -11,8 +11,8 @@ import os
 import pytest
 import torch
 
-from glaswap_kernels import feature_map_triton, gla_triton, normalizer_triton
-from glaswap_kernels.gla_ops import normalize
+from glaswap_kernels import feature_map_triton, gate_triton, gla_triton, normalizer_triton
+from glaswap_kernels.gla_ops import gate_logsigmoid, normalize
 from glaswap_kernels.gla_torch import feature_map_torch
 
 CUDA = torch.cuda.is_available()
@@ -39,25 +39,26 @@ def rope_tables(B, T, D, gen):
     return ang.cos().float(), ang.sin().float()
 
 
-def run(x, cos, sin, w, do, fn):
+def run(x, cos, sin, w, do, fn, pm=False):
     x = x.clone().requires_grad_(True)
     w = None if w is None else w.clone().requires_grad_(True)
-    y = fn(x, cos, sin, w)
+    y = fn(x, cos, sin, w, pm=pm)
     (y.float() * do).sum().backward()
     return y, x.grad, None if w is None else w.grad
 
 
-def check(B, T, H, D, rope=True, weight=True, dtype=torch.float32, cos_batch=None, seed=0, tol=None):
+def check(B, T, H, D, rope=True, weight=True, dtype=torch.float32, cos_batch=None, seed=0, tol=None,
+          pm=False):
     gen = torch.Generator().manual_seed(seed)
     x = torch.randn(B, T, H, D, generator=gen)
     w = torch.eye(D).repeat(H, 1, 1) + 0.3 * torch.randn(H, D, D, generator=gen) if weight else None
     cos, sin = rope_tables(cos_batch or B, T, D, gen) if rope else (None, None)
-    do = torch.randn(B, T, H, D, generator=gen)
+    do = torch.randn(B, T, H, D * (2 if pm else 1), generator=gen)
     ref = run(x.double(), *(None if t is None else t.double() for t in (cos, sin, w)), do.double(),
-              feature_map_torch)
+              feature_map_torch, pm)
     to = lambda t: None if t is None else t.to(DEVICE)
     got = run(x.to(DEVICE, dtype), to(cos), to(sin), to(w), do.to(DEVICE),
-              feature_map_triton.fused_feature_map)
+              feature_map_triton.fused_feature_map, pm)
     tol = tol or {torch.float32: 1e-5, torch.bfloat16: 2e-2}[dtype]
     names = ("phi", "dx", "dW")
     for name, a, b in zip(names, got, ref):
@@ -105,6 +106,21 @@ def test_fused_feature_map_bf16():
     check(2, 70, 2, 64, dtype=torch.bfloat16)
 
 
+@pytest.mark.parametrize("split_dw", [0, 1])
+@pytest.mark.parametrize("D", [24, 48, 64])
+def test_fused_feature_map_pm(monkeypatch, D, split_dw):
+    """hedgehog_pm's [softmax(y), softmax(-y)] from one kernel, 2D wide: both halves and the dx
+    and dW they share, against the float64 reference; with several blocks per program too."""
+    monkeypatch.setitem(feature_map_triton.LAUNCH, "split_dw", split_dw)
+    check(2, 37, 3, D, pm=True)
+    check(1, 1, 2, D, pm=True, cos_batch=1)        # one token
+    check(1, 197, 4, D, pm=True, rope=False, seed=1)
+
+
+def test_fused_feature_map_pm_bf16():
+    check(2, 70, 2, 64, dtype=torch.bfloat16, pm=True)
+
+
 def test_fused_feature_map_frozen_weight_and_errors():
     x = torch.randn(1, 4, 2, 16, device=DEVICE, requires_grad=True)
     w = torch.eye(16).repeat(2, 1, 1).to(DEVICE)  # no grad: dW is not computed
@@ -128,6 +144,7 @@ def test_gpu_fused_feature_map_bf16_real_size(monkeypatch, split_dw):
     check(2, 2048, 32, 64, dtype=torch.bfloat16, cos_batch=1)
     check(2, 2048, 8, 64, dtype=torch.bfloat16)
     check(1, 4096, 16, 128, dtype=torch.bfloat16)
+    check(2, 2048, 32, 64, dtype=torch.bfloat16, cos_batch=1, pm=True)   # hedgehog_pm
 
 
 @pytest.mark.parametrize("feature_map", ["hedgehog", "hedgehog_pm"])
@@ -197,3 +214,78 @@ def test_fused_normalize_one_row_and_bad_shape():
 @pytest.mark.skipif(not CUDA, reason="needs CUDA")
 def test_gpu_fused_normalize_bf16():
     check_normalize((8, 2048, 32), 64, torch.bfloat16, 1e-2)
+
+
+# ------------------------------------------------------------------ gate activation
+def check_gate(x, repeat, tol, normalizer=16.0, seed=0):
+    """fused_gate on x (any float dtype, on DEVICE) against the torch path on x.double():
+    output and dx for a random upstream gradient. Returns (y, dx) for further checks."""
+    gen = torch.Generator().manual_seed(seed)
+    dy = torch.randn(*x.shape[:-1], repeat * x.shape[-1], generator=gen)
+    ref_x = x.detach().cpu().double().requires_grad_()
+    ref = gate_logsigmoid(ref_x, normalizer, repeat, backend="torch")
+    (ref * dy.double()).sum().backward()
+    got_x = x.detach().to(DEVICE).requires_grad_()
+    got = gate_triton.fused_gate(got_x, normalizer, repeat)
+    (got.float() * dy.to(DEVICE)).sum().backward()
+    assert got.dtype == x.dtype and got.shape == ref.shape and got_x.grad.dtype == x.dtype
+    for name, a, b in (("out", got, ref), ("grad", got_x.grad, ref_x.grad)):
+        assert torch.isfinite(a).all(), f"{name}: non-finite (unwritten memory?)"
+        assert rel(a.cpu(), b) < tol, f"{name}: relative RMS {rel(a.cpu(), b):.1e}"
+    return got, got_x.grad
+
+
+def gate_logits(shape, dtype, seed=0):
+    # Spread 3: the linear (x << 0), curved and saturated (x >> 0) parts of logsigmoid.
+    return (3 * torch.randn(*shape, generator=torch.Generator().manual_seed(seed))).to(DEVICE, dtype)
+
+
+@pytest.mark.parametrize("repeat", [1, 2])
+@pytest.mark.parametrize("D", [48, 64, 80])
+def test_fused_gate(D, repeat):
+    check_gate(gate_logits((2, 37, 3, D), torch.float32), repeat, 1e-6)  # 222 rows: last block partial
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_fused_gate_half(dtype):
+    check_gate(gate_logits((2, 37, 3, 48), dtype), 2, 1e-2)
+    check_gate(gate_logits((1, 5, 2, 64), dtype), 1, 1e-2)
+
+
+def test_fused_gate_one_row_and_strided_input():
+    check_gate(gate_logits((1, 80), torch.float32), 2, 1e-6, normalizer=1.0)
+    check_gate(gate_logits((7, 5), torch.float32), 1, 1e-6)  # D = 5: mostly mask
+    # The scalar gate's logits: one per head, expanded over D (stride 0).
+    check_gate(gate_logits((2, 9, 3, 1), torch.float32).expand(2, 9, 3, 24), 2, 1e-6)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_gate_extreme_logits(dtype):
+    vals = torch.tensor([-1e4, -50.0, -1.0, 0.0, 1.0, 50.0, 1e4])
+    x = vals.repeat(3, 4, 1).to(DEVICE, dtype)   # D = 7
+    y, dx = check_gate(x, 2, 1e-6 if dtype == torch.float32 else 1e-2, normalizer=8.0)
+    assert (y <= 0).all(), "a log-decay above 0"
+    y, dx = y.float().cpu(), dx.float().cpu()
+    assert y[..., -1].eq(0).all() and dx[..., -1].eq(0).all()        # x = 1e4: no decay, no gradient
+    assert torch.allclose(y[..., 0], torch.tensor(-1e4 / 8).to(dtype).float())  # x = -1e4: x / n
+
+
+def test_fused_gate_bad_inputs():
+    x = torch.randn(2, 3, 16, device=DEVICE)
+    with pytest.raises(ValueError, match="float32/float16/bfloat16"):
+        gate_triton.fused_gate(torch.ones(2, 16, dtype=torch.int32, device=DEVICE), 16.0)
+    with pytest.raises(ValueError, match="normalizer > 0"):
+        gate_triton.fused_gate(x, 0.0)
+    with pytest.raises(ValueError, match="repeat 1 or 2"):
+        gate_triton.fused_gate(x, 16.0, repeat=3)
+    # The dispatcher routes backend="triton" here.
+    y = gate_logsigmoid(x, 16.0, 2, backend="triton")
+    assert rel(y.cpu(), gate_logsigmoid(x, 16.0, 2, backend="torch").cpu()) < 1e-6
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
+@pytest.mark.parametrize("repeat", [1, 2])
+def test_gpu_fused_gate_bf16(repeat):
+    # A 1B model's gate: 8 x 2048 tokens, 8 KV heads of 64 (hedgehog_pm: repeat 2).
+    check_gate(gate_logits((8, 2048, 8, 64), torch.bfloat16), repeat, 1e-2)

@@ -18,7 +18,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from glaswap_kernels.gla_ops import HAS_TRITON, chunk_gla, feature_map, normalize, recurrent_gla, with_ones
+from glaswap_kernels.gla_ops import (HAS_TRITON, chunk_gla, feature_map, gate_logsigmoid, normalize, recurrent_gla,
+                                     with_ones)
 from glaswap_kernels.gla_torch import apply_rope
 
 # The allowed gates and feature maps: configuration_glaswap.GLA_OPTIONS (and cli.py's choices).
@@ -29,6 +30,14 @@ MODES = ("gla", "softmax")
 def feature_dim(config):
     """Width of phi(q) and phi(k), hence of the gate and of the recurrent state's rows."""
     return config.head_dim * (2 if config.feature_map == "hedgehog_pm" else 1)
+
+
+def state_heads(config):
+    """Number of recurrent states per layer: one per KV head (query heads of a group share
+    it), or one per query head with state_heads="query"."""
+    if getattr(config, "state_heads", "kv") == "query":
+        return config.num_attention_heads
+    return config.num_key_value_heads
 
 
 class RMSNorm(nn.Module):
@@ -54,7 +63,8 @@ class FeatureMap(nn.Module):
     `softmax` and can learn to sharpen or mix dimensions (Hedgehog / LoLCATs). hedgehog_pm:
     [softmax(x W), softmax(-x W)], twice as wide: one softmax can only favour large
     components of x W, the pair also sees the most negative ones (as LoLCATs' maps do). On
-    CUDA the rotation, W and softmax run as one Triton kernel (`gla_ops.feature_map`).
+    CUDA the rotation, W and softmax (both halves for hedgehog_pm) run as one Triton kernel
+    each way (`gla_ops.feature_map`).
     """
 
     def __init__(self, kind, heads, dim):
@@ -64,11 +74,8 @@ class FeatureMap(nn.Module):
             self.weight = nn.Parameter(torch.eye(dim).repeat(heads, 1, 1))
 
     def forward(self, x, cos=None, sin=None, backend="auto"):
-        w = getattr(self, "weight", None)
-        phi = feature_map(x, cos, sin, w, softmax=self.kind != "identity", backend=backend)
-        if self.kind == "hedgehog_pm":  # softmax(rope(x) (-W)) = softmax(-(rope(x) W))
-            phi = torch.cat([phi, feature_map(x, cos, sin, -w, softmax=True, backend=backend)], dim=-1)
-        return phi
+        return feature_map(x, cos, sin, getattr(self, "weight", None), softmax=self.kind != "identity",
+                           backend=backend, pm=self.kind == "hedgehog_pm")
 
 
 class GLAAttention(nn.Module):
@@ -80,6 +87,9 @@ class GLAAttention(nn.Module):
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
         self.head_dim = config.head_dim
+        # States per layer (= num_kv_heads unless state_heads="query"): keys, values and
+        # gates are per state head; each KV head is repeated over its query heads if needed.
+        self.num_state_heads = state_heads(config)
         self.mode = "gla"
         # Set by attention transfer: also compute the GLA output in softmax mode and keep
         # its distance to the teacher's output in `transfer_loss`.
@@ -98,11 +108,11 @@ class GLAAttention(nn.Module):
         # New parameters (the only ones attention transfer trains).
         if config.gate == "lowrank":
             self.gate_down = nn.Linear(self.hidden_size, config.gate_rank, bias=False)
-            self.gate_up = nn.Linear(config.gate_rank, kv_dim, bias=True)
+            self.gate_up = nn.Linear(config.gate_rank, self.num_state_heads * self.head_dim, bias=True)
         elif config.gate == "scalar":
-            self.gate_proj = nn.Linear(self.hidden_size, self.num_kv_heads, bias=True)
+            self.gate_proj = nn.Linear(self.hidden_size, self.num_state_heads, bias=True)
         self.q_map = FeatureMap(config.feature_map, self.num_heads, self.head_dim)
-        self.k_map = FeatureMap(config.feature_map, self.num_kv_heads, self.head_dim)
+        self.k_map = FeatureMap(config.feature_map, self.num_state_heads, self.head_dim)
         for m in (getattr(self, n, None) for n in ("gate_down", "gate_up", "gate_proj")):
             if m is not None:
                 m._glaswap_new = True  # initialised by reset_new_parameters, not as a plain Linear
@@ -149,15 +159,23 @@ class GLAAttention(nn.Module):
         two halves share the decay of their head dimension)."""
         cfg = self.config
         B, T, _ = x.shape
+        Hs = self.num_state_heads
         if cfg.gate == "lowrank":
-            logits = self.gate_up(self.gate_down(x)).view(B, T, self.num_kv_heads, self.head_dim)
+            logits = self.gate_up(self.gate_down(x)).view(B, T, Hs, self.head_dim)
         elif cfg.gate == "scalar":
-            logits = self.gate_proj(x).view(B, T, self.num_kv_heads, 1)
-            logits = logits.expand(B, T, self.num_kv_heads, self.head_dim)
+            logits = self.gate_proj(x).view(B, T, Hs, 1).expand(B, T, Hs, self.head_dim)
         else:  # key: reuse the key projection (before RoPE), shifted to the starting decay
-            logits = k_raw + _logit_for_decay(cfg.gate_init_decay, cfg.gate_normalizer)
-        g = (F.logsigmoid(logits.float()) / cfg.gate_normalizer).to(x.dtype)
-        return torch.cat([g, g], dim=-1) if cfg.feature_map == "hedgehog_pm" else g
+            logits = self._per_state_head(k_raw) + _logit_for_decay(cfg.gate_init_decay, cfg.gate_normalizer)
+        # logsigmoid(logits) / gate_normalizer in float32, stored in x's dtype; one Triton
+        # kernel each way on CUDA (writing both halves for hedgehog_pm).
+        return gate_logsigmoid(logits.to(x.dtype), cfg.gate_normalizer,
+                               repeat=2 if cfg.feature_map == "hedgehog_pm" else 1, backend=cfg.gla_backend)
+
+    def _per_state_head(self, t):
+        """A [B, T, Hkv, ...] key/value tensor repeated over each group's query heads when
+        every query head has its own state; unchanged otherwise."""
+        R = self.num_state_heads // self.num_kv_heads
+        return t.repeat_interleave(R, dim=2) if R > 1 else t
 
     def forward(self, hidden_states, position_embeddings=None, attention_mask=None,
                 past_key_values=None, cu_seqlens=None, **kwargs):
@@ -191,6 +209,7 @@ class GLAAttention(nn.Module):
         cfg = self.config
         B, T = q.shape[:2]
         g = self._gate(x, k)
+        k, v = self._per_state_head(k), self._per_state_head(v)
         cos, sin = position_embeddings if cfg.use_rope else (None, None)
         q = self.q_map(q, cos, sin, cfg.gla_backend)
         k = self.k_map(k, cos, sin, cfg.gla_backend)

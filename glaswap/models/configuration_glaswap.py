@@ -17,6 +17,9 @@ GLA_OPTIONS = {
     "normalizer": (True, bool),
     "normalizer_eps": (1e-6, float),
     "use_rope": (True, bool),
+    # kv: the query heads of a GQA group share one state (the teacher's KV heads); query: each
+    # query head keeps its own state, with its own key feature map and gate (R times the memory).
+    "state_heads": ("kv", ("kv", "query")),
     "gla_backend": ("auto", ("auto", "triton", "torch")),
 }
 
@@ -81,6 +84,7 @@ class GLASwapConfig(PretrainedConfig):
         normalizer=True,
         normalizer_eps=1e-6,
         use_rope=True,
+        state_heads="kv",
         gla_backend="auto",
         **kwargs,
     ):
@@ -110,6 +114,7 @@ class GLASwapConfig(PretrainedConfig):
         self.normalizer = normalizer
         self.normalizer_eps = normalizer_eps
         self.use_rope = use_rope
+        self.state_heads = state_heads
         self.gla_backend = gla_backend
         check_gla_options({k: getattr(self, k) for k in GLA_OPTIONS})
         super().__init__(pad_token_id=pad_token_id, bos_token_id=bos_token_id, eos_token_id=eos_token_id,

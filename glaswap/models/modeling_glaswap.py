@@ -26,7 +26,8 @@ from glaswap.models.configuration_glaswap import GLASwapConfig
 
 
 class GLASwapCache(Cache):
-    """Recurrent state per layer ([B, Hkv, K, V] float32) and the number of tokens seen.
+    """Recurrent state per layer ([B, state heads, K, V] float32; the state heads are the KV
+    heads unless state_heads="query") and the number of tokens seen.
 
     The state does not grow with the context: this is the whole cache. transformers'
     `Cache.get_seq_length()` raises when every layer is linear, so the count is kept here.
