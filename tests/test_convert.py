@@ -132,6 +132,22 @@ def test_state_per_query_head_starts_as_shared_state(tmp_path):
         assert (model(ids).logits - logits["query"]).abs().max() > 1e-3
 
 
+@pytest.mark.parametrize("options", [{"gate": "key", "feature_map": "softmax"}, {"gate": "scalar"},
+                                     {"feature_map": "hedgehog_pm"}])
+def test_state_per_query_head_other_gates_and_maps(tmp_path, options):
+    """The same start for the key and scalar gates (the key gate repeats the raw keys over the
+    group) and for hedgehog_pm (2 x head-dim state rows), on Qwen2 (biases, 2 query heads per KV head)."""
+    src = save_teacher(tiny_teacher("qwen2"), tmp_path / "src")
+    ids = torch.randint(0, 128, (1, 29), generator=torch.Generator().manual_seed(1))
+    logits = []
+    for heads in ("kv", "query"):
+        convert(str(src), tmp_path / heads, options={**options, "state_heads": heads}, report=False, seed=5,
+                log=lambda *_: None)
+        with torch.no_grad():
+            logits.append(_load(tmp_path / heads)(ids).logits)
+    torch.testing.assert_close(logits[1], logits[0], rtol=1e-5, atol=1e-5)
+
+
 def test_out_exists_refused_then_forced(tmp_path):
     src = save_teacher(tiny_teacher("llama"), tmp_path / "src")
     out = tmp_path / "out"
