@@ -385,6 +385,7 @@ def ptxas_report(cases=PTXAS_CASES, arch=90, out=sys.stdout, layer_cases=PTXAS_L
     from glaswap_kernels import feature_map_triton, gate_triton, normalizer_triton
     tdt = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32",
            torch.int32: "i32", torch.int64: "i64"}
+    dtypes = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}   # the cases' names
     calls = []
 
     class Recorder:
@@ -407,7 +408,7 @@ def ptxas_report(cases=PTXAS_CASES, arch=90, out=sys.stdout, layer_cases=PTXAS_L
         for case in cases:
             dt, B, T, H, Hkv, K, V, docs = case[:8]
             norm = bool(case[8]) if len(case) > 8 else False
-            dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[dt]
+            dtype = dtypes[dt]
             N = B if docs is None else len(docs)
             q = torch.zeros(B, T, H, K, dtype=dtype)
             k = torch.zeros(B, T, Hkv, K, dtype=dtype)
@@ -424,7 +425,7 @@ def ptxas_report(cases=PTXAS_CASES, arch=90, out=sys.stdout, layer_cases=PTXAS_L
                 gla_triton.fused_recurrent_gla(q[:, :1], k[:, :1], v[:, :1], k[:, :1],
                                                initial_state=h0, output_final_state=True)
         for dt, T, H, D, pm in layer_cases:
-            dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[dt]
+            dtype = dtypes[dt]
             x, cs = torch.zeros(1, T, H, D, dtype=dtype), torch.zeros(1, T, D)
             for fn, args, grad in (
                     (feature_map_triton._FusedFeatureMap, (x, cs, cs, torch.zeros(H, D, D), True, pm),

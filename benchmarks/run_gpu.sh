@@ -35,6 +35,11 @@ OUT="${OUT:-/tmp/out}"
 mkdir -p "$OUT"
 PAY="$HOME/payload"
 
+gpu_tests() {  # every GPU test of the kernels and the layer, within $1 seconds; the script goes on if they fail
+  timeout "$1" python3 -m pytest -q -rfE -p no:cacheprovider -m gpu tests/test_layer_kernels.py tests/test_gla_triton.py \
+      2>&1 | tail -8 || true
+}
+
 case "$1" in
 payload-a)
   mkdir -p "$HOME/pay" && cp .carry_a/* "$HOME/pay/" ;;
@@ -130,7 +135,7 @@ next)       # session 4's first call: the feature map's split-dW backward (and 8
   timeout 120 python3 benchmarks/profile_step.py --shape llama-3.2-1b --batch 1x16384 --rows 30 \
       --set split_dw=1 2>&1 | tee "$OUT/profile_step_16k.log" | grep -A30 "## student" | head -32 ;;
 next5)      # session 5's first call: peft's LoRA input casts off (now) against on (before)
-  timeout 400 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_layer_kernels.py tests/test_gla_triton.py 2>&1 | tail -2 || true   # >200 s in session 5
+  gpu_tests 400   # >200 s in session 5
   for v in "" "--peft-casts" "--option feature_map=hedgehog_pm"; do
     echo "### bench_distill ${v:-(defaults)}"
     timeout 200 python3 benchmarks/bench_distill.py --shapes llama-3.2-1b $v 2>&1 | tail -7
@@ -154,16 +159,16 @@ tune16k)    # session 5: dq/dk/dg launch variants at the 1B layer shape with the
 next6)      # session 6's first call: GPU tests (BK_g=32 with GQA + normaliser is new), the
             # kernel table, the 1B step; then, after payload-b, `quality "pm:stage2.lora_targets=
             # [q_proj,k_proj,v_proj,o_proj]"` separates hedgehog_pm from the MLP LoRA (17.29 both)
-  timeout 400 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_layer_kernels.py tests/test_gla_triton.py 2>&1 | tail -2 || true
+  gpu_tests 400
   timeout 150 python3 benchmarks/bench_kernels.py --only glaswap --json "$OUT/kernels.json" 2>&1 | tail -16 || true
   timeout 130 python3 benchmarks/bench_distill.py --shapes llama-3.2-1b 2>&1 | tail -7 || true ;;
 next7)      # session 6: the 1B step with the fused gate kernel (the 16K target first), then
             # the GPU tests (new: the gate kernel; BK_g=32 with GQA + normaliser, session 5)
   timeout 140 python3 benchmarks/bench_distill.py --shapes llama-3.2-1b --json "$OUT/distill_bench.json" 2>&1 | tail -7 || true
-  timeout 400 python3 -m pytest -q -rfE -p no:cacheprovider -m gpu tests/test_layer_kernels.py tests/test_gla_triton.py 2>&1 | tail -8 || true ;;
+  gpu_tests 400 ;;
 next8)      # session 7's first call: the GPU tests (new: hedgehog_pm's map as one kernel), then
             # the 1B step with hedgehog_pm (two calls a map in session 5: 295.7 ms at 16K)
-  timeout 330 python3 -m pytest -q -rfE -p no:cacheprovider -m gpu tests/test_layer_kernels.py tests/test_gla_triton.py 2>&1 | tail -8 || true
+  gpu_tests 330
   timeout 140 python3 benchmarks/bench_distill.py --shapes llama-3.2-1b --option feature_map=hedgehog_pm \
       --json "$OUT/distill_bench_pm.json" 2>&1 | tail -7 || true ;;
 quality)    # runs of the GPU recipe, one after another (two processes sharing the GPU ran

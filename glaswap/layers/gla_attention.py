@@ -35,7 +35,7 @@ def feature_dim(config):
 def state_heads(config):
     """Number of recurrent states per layer: one per KV head (query heads of a group share
     it), or one per query head with state_heads="query"."""
-    if getattr(config, "state_heads", "kv") == "query":
+    if config.state_heads == "query":
         return config.num_attention_heads
     return config.num_key_value_heads
 
