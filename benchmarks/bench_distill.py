@@ -36,10 +36,11 @@ SHAPES = {
 BATCHES = [(8, 2048), (1, 16384)]
 
 
-def build(shape: str, peft_casts: bool = False, options: dict | None = None):
-    """Teacher and student with LoRA r=8 on q/k/v/o, set up as `glaswap distill` sets them
-    up (peft's float32 casts of LoRA inputs skipped unless `peft_casts`); `options` are GLA
-    options for the student (e.g. {"feature_map": "hedgehog_pm"})."""
+def build(shape: str, peft_casts: bool = False, options: dict | None = None,
+          lora_targets=("q_proj", "k_proj", "v_proj", "o_proj")):
+    """Teacher and student with LoRA r=8 on `lora_targets`, set up as `glaswap distill` sets
+    them up (peft's float32 casts of LoRA inputs skipped unless `peft_casts`); `options` are
+    GLA options for the student (e.g. {"feature_map": "hedgehog_pm"})."""
     from peft import LoraConfig, get_peft_model
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -53,7 +54,7 @@ def build(shape: str, peft_casts: bool = False, options: dict | None = None):
     student.load_state_dict(teacher.state_dict(), strict=False)
     student = student.to(device="cuda", dtype=torch.bfloat16)
     new = set(student.new_parameter_names())
-    lora = dict(r=8, lora_alpha=16, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"], lora_dropout=0.0)
+    lora = dict(r=8, lora_alpha=16, target_modules=list(lora_targets), lora_dropout=0.0)
     teacher = get_peft_model(teacher, LoraConfig(**lora))
     peft_student = get_peft_model(student, LoraConfig(**lora))
     for name, p in student.named_parameters():

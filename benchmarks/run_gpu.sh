@@ -18,6 +18,8 @@
 #   bash benchmarks/run_gpu.sh next6         # GPU tests, kernel table, 1B step (session 6)
 #   bash benchmarks/run_gpu.sh next7         # 1B step with the fused gate, then the GPU tests
 #   bash benchmarks/run_gpu.sh next8         # GPU tests (one-kernel hedgehog_pm), 1B step with pm
+#   bash benchmarks/run_gpu.sh next9         # GPU tests (pm map, packed docs), the recipe's steps timed
+#   bash benchmarks/run_gpu.sh next10        # GPU tests, slow path row by row vs 16-row blocks (kernels, step)
 #   bash benchmarks/run_gpu.sh quality "NAME:OVERRIDES" ...  # GPU recipe runs, in turn
 #       (after the payload steps; call again to resume the unfinished ones)
 # The payload (built on a CPU machine, see NOTES.md) holds the SmolLM2 GGUF, the token
@@ -171,6 +173,32 @@ next8)      # session 7's first call: the GPU tests (new: hedgehog_pm's map as o
   gpu_tests 330
   timeout 140 python3 benchmarks/bench_distill.py --shapes llama-3.2-1b --option feature_map=hedgehog_pm \
       --json "$OUT/distill_bench_pm.json" 2>&1 | tail -7 || true ;;
+next9)      # session 7's first call: the GPU tests of what the recipe runs (hedgehog_pm's one-kernel
+            # map, packed documents with the cached metadata), then the recipe's two steps with the
+            # cu_seqlens metadata cache off (before) and on (now)
+  timeout 200 python3 -m pytest -q -rfE -p no:cacheprovider tests/test_layer_kernels.py tests/test_gla_triton.py \
+      -k "gpu_fused or gpu_bf16_normalizer or gpu_bf16_varlen or cached_per" 2>&1 | tail -6 || true
+  for c in --no-varlen-cache ""; do
+    timeout 150 python3 benchmarks/bench_recipe_step.py --option feature_map=hedgehog_pm \
+        --lora-targets q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj $c \
+        --json "$OUT/recipe_step${c:+-nocache}.json" 2>&1 | tail -5 || true
+  done ;;
+next10)     # session 8's first call: the GPU tests (every gpu-marked one of the layer kernels and the
+            # GLA kernels, plus the strong-decay tests at CUDA), the kernels with seed and trained
+            # gates for each slow path (slow_blocks 0: row by row, 1: 16-row blocks), then the
+            # recipe's two steps with 40% strong gate channels, each slow path
+  timeout 330 python3 -m pytest -q -rfE -p no:cacheprovider -m "gpu or not gpu" \
+      tests/test_layer_kernels.py tests/test_gla_triton.py -k "gpu or learned or cached_per" 2>&1 | tail -6 || true
+  for sb in 0 1; do
+    timeout 100 python3 benchmarks/bench_kernels.py --quick --only glaswap --gates seed,trained \
+        --set slow_blocks=$sb --json "$OUT/kernels-sb$sb.json" 2>&1 | tail -11 | head -9 || true
+  done
+  for sb in 0 1; do
+    GLASWAP_GLA_OVERRIDES=slow_blocks=$sb timeout 150 python3 benchmarks/bench_recipe_step.py \
+        --option feature_map=hedgehog_pm --strong-gates 0.4 \
+        --lora-targets q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj \
+        --json "$OUT/recipe_step-strong-sb$sb.json" 2>&1 | tail -4 || true
+  done ;;
 quality)    # runs of the GPU recipe, one after another (two processes sharing the GPU ran
             # 4-5x slower each: NOTES, session 4); each NAME:OVERRIDES gets runs/NAME and
             # LIMIT seconds; call again with the same specs to resume the unfinished ones.

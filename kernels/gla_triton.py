@@ -62,7 +62,12 @@ __all__ = ["fused_chunk_gla", "fused_recurrent_gla"]
 POISON = False
 
 # Tuning hook: attribute -> value pairs that replace _Config's choices (e.g. {"warps_o": 8}).
+# Runs that do not import this module themselves (glaswap distill) take them from the
+# environment: GLASWAP_GLA_OVERRIDES="slow_blocks=1,warps_o=8" (integer values).
 OVERRIDES: dict = {}
+for _item in filter(None, os.environ.get("GLASWAP_GLA_OVERRIDES", "").split(",")):
+    _key, _, _value = _item.partition("=")
+    OVERRIDES[_key.strip()] = int(_value)
 
 _LOG2E = tl.constexpr(1.4426950408889634)
 # Largest total in-chunk decay, in log2 units (2^80 ~ e^55), for which the factorised scores
@@ -220,16 +225,22 @@ def _excl_cumsum(x, BT: tl.constexpr):
 
 
 @triton.jit
-def _scores_slow(b_q, b_k, gp, t0, n_valid, stride_t, c0, K: tl.constexpr,
-                 BT: tl.constexpr, BK: tl.constexpr):
-    """P_ij = sum_k q_ik k_jk 2^{min(G_ik - G_jk, 0)} for one K tile, row by row: no exponent
-    is positive, so strong decays underflow to 0 instead of overflowing. Entries j > i are
-    finite garbage that the caller masks. g is reloaded (cheap, rare path) so that the fast
-    path does not keep G alive in registers."""
-    G, _ = _gates(gp, t0, n_valid, stride_t, c0, K, BT, BK)
-    rows = tl.arange(0, BT)
-    P = tl.zeros([BT, BT], dtype=tl.float32)
-    for i in range(BT):
+def _block_frame(G, rows, s, SB: tl.constexpr, BT: tl.constexpr):
+    """For the rows [s, s + SB) of a chunk: the mask of those rows, the reference r = G at
+    row s [BK], and whether the block's own decay (r - G at its last row) stays below SAFE
+    in every channel, so that 2^(r - G_j) for j inside the block fits the range."""
+    in_blk = (rows >= s) & (rows < s + SB)
+    r = tl.sum(tl.where((rows == s)[:, None], G, 0.0), axis=0)
+    last = tl.minimum(s + SB - 1, BT - 1)
+    G_end = tl.sum(tl.where((rows == last)[:, None], G, 0.0), axis=0)
+    return in_blk, r, tl.max(r - G_end, axis=0) < _SAFE
+
+
+@triton.jit
+def _score_rows(P, b_q, b_k, G, rows, lo, hi):
+    """Rows lo..hi-1 of P_ij = sum_k q_ik k_jk 2^{min(G_ik - G_jk, 0)}, one row at a time:
+    no exponent is positive, so any decay underflows to 0 instead of overflowing."""
+    for i in range(lo, hi):
         sel = rows == i
         # row i of q and G (written out: nested jit calls are slow under the interpreter)
         q_i = tl.sum(tl.where(sel[:, None], b_q, 0.0), axis=0)
@@ -241,15 +252,41 @@ def _scores_slow(b_q, b_k, gp, t0, n_valid, stride_t, c0, K: tl.constexpr,
 
 
 @triton.jit
-def _dqk_slow(dP, b_q, b_k, gp, t0, n_valid, stride_t, c0, K: tl.constexpr,
-              BT: tl.constexpr, BK: tl.constexpr):
-    """Intra-chunk dq_i = sum_{j<=i} dP_ij k_j 2^{G_i - G_j} and dk_j = sum_{i>=j} dP_ij q_i 2^{G_i - G_j}
-    row by row (dP must be causally masked: its zeros stand in for the mask)."""
+def _scores_slow(b_q, b_k, gp, t0, n_valid, stride_t, c0, K: tl.constexpr,
+                 BT: tl.constexpr, BK: tl.constexpr, DOT_BF16: tl.constexpr, PREC: tl.constexpr,
+                 BLOCKED: tl.constexpr):
+    """P_ij = sum_k q_ik k_jk 2^{G_ik - G_jk} for one K tile whose chunk decays too much for
+    one factorisation (some channel loses more than 2^SAFE over the chunk). Entries j > i
+    are finite garbage that the caller masks; g is reloaded so that the fast path does not
+    keep G alive in registers.
+    BLOCKED (launch key slow_blocks): rows go in blocks of SB = 16, each factorised around
+    its own first row r, (q_i 2^{G_i - r}) (k_j 2^{r - G_j}): both factors are <= 1 for j
+    before the block and the second stays below 2^SAFE inside it. Trained gates put whole
+    channels at ~0.2-0.5 a step (SmolLM2's stage-1 step time grew 2.5x as they formed): past
+    2^-80 over 64 steps, not over 16. A block whose own decay is still too strong goes row
+    by row. Otherwise every row goes one at a time (64 times the exps of the fast path)."""
     G, _ = _gates(gp, t0, n_valid, stride_t, c0, K, BT, BK)
     rows = tl.arange(0, BT)
-    dq = tl.zeros([BT, BK], dtype=tl.float32)
-    dk = tl.zeros([BT, BK], dtype=tl.float32)
-    for i in range(BT):
+    P = tl.zeros([BT, BT], dtype=tl.float32)
+    if BLOCKED:
+        SB: tl.constexpr = 16 if BT > 16 else BT
+        for blk in range(BT // SB):
+            in_blk, r, ok = _block_frame(G, rows, blk * SB, SB, BT)
+            if ok:
+                q_f = tl.where(in_blk[:, None], b_q * tl.exp2(tl.minimum(G - r[None, :], 0.0)), 0.0)
+                k_f = b_k * tl.exp2(tl.minimum(r[None, :] - G, _SAFE))
+                P += _mm(q_f, tl.trans(k_f), DOT_BF16, PREC)
+            else:
+                P = _score_rows(P, b_q, b_k, G, rows, blk * SB, blk * SB + SB)
+    else:
+        P = _score_rows(P, b_q, b_k, G, rows, 0, BT)
+    return P
+
+
+@triton.jit
+def _dqk_rows(dq, dk, dP, b_q, b_k, G, rows, lo, hi):
+    """The rows lo..hi-1 of dP in _dqk_slow, one at a time, every exponent clamped to <= 0."""
+    for i in range(lo, hi):
         sel = rows == i
         q_i = tl.sum(tl.where(sel[:, None], b_q, 0.0), axis=0)
         G_i = tl.sum(tl.where(sel[:, None], G, 0.0), axis=0)
@@ -262,9 +299,39 @@ def _dqk_slow(dP, b_q, b_k, gp, t0, n_valid, stride_t, c0, K: tl.constexpr,
 
 
 @triton.jit
+def _dqk_slow(dP, b_q, b_k, gp, t0, n_valid, stride_t, c0, K: tl.constexpr,
+              BT: tl.constexpr, BK: tl.constexpr, DOT_BF16: tl.constexpr, PREC: tl.constexpr,
+              BLOCKED: tl.constexpr):
+    """Intra-chunk dq_i = sum_{j<=i} dP_ij k_j 2^{G_i - G_j} and dk_j = sum_{i>=j} dP_ij q_i 2^{G_i - G_j}
+    (dP must be causally masked: its zeros stand in for the mask), in the row blocks of
+    _scores_slow when BLOCKED: dq_B = 2^{G_B - r} (dP_B @ k 2^{r - G}) and
+    dk += 2^{r - G} (dP_B^T @ q_B 2^{G_B - r}); row by row otherwise."""
+    G, _ = _gates(gp, t0, n_valid, stride_t, c0, K, BT, BK)
+    rows = tl.arange(0, BT)
+    dq = tl.zeros([BT, BK], dtype=tl.float32)
+    dk = tl.zeros([BT, BK], dtype=tl.float32)
+    if BLOCKED:
+        SB: tl.constexpr = 16 if BT > 16 else BT
+        for blk in range(BT // SB):
+            in_blk, r, ok = _block_frame(G, rows, blk * SB, SB, BT)
+            if ok:
+                # the factors are recomputed at each use: exps are cheaper than spilled tiles
+                dP_b = tl.where(in_blk[:, None], dP, 0.0)
+                dq += (tl.where(in_blk[:, None], tl.exp2(tl.minimum(G - r[None, :], 0.0)), 0.0)
+                       * _mm(dP_b, b_k * tl.exp2(tl.minimum(r[None, :] - G, _SAFE)), DOT_BF16, PREC))
+                q_f = tl.where(in_blk[:, None], b_q * tl.exp2(tl.minimum(G - r[None, :], 0.0)), 0.0)
+                dk += tl.exp2(tl.minimum(r[None, :] - G, _SAFE)) * _mm(tl.trans(dP_b), q_f, DOT_BF16, PREC)
+            else:
+                dq, dk = _dqk_rows(dq, dk, dP, b_q, b_k, G, rows, blk * SB, blk * SB + SB)
+    else:
+        dq, dk = _dqk_rows(dq, dk, dP, b_q, b_k, G, rows, 0, BT)
+    return dq, dk
+
+
+@triton.jit
 def _score_tile(qp, kp, gp, t0, n_valid, k0, H: tl.constexpr, Hkv: tl.constexpr,
                 K: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, DOT_BF16: tl.constexpr,
-                PREC: tl.constexpr):
+                PREC: tl.constexpr, SLOW_BLOCKS: tl.constexpr):
     """One K tile's share of the (unmasked) scores P, factorised on tensor cores when the
     tile's decay allows it, else exact row by row; also returns the tile's q and G."""
     b_q = _load_rows(qp, t0, n_valid, H * K, k0, K, BT, BK).to(tl.float32)
@@ -273,7 +340,7 @@ def _score_tile(qp, kp, gp, t0, n_valid, k0, H: tl.constexpr, Hkv: tl.constexpr,
     if tl.max(-G_last, axis=0) < _SAFE:
         p = _mm(b_q * tl.exp2(G), tl.trans(b_k * tl.exp2(-G)), DOT_BF16, PREC)
     else:
-        p = _scores_slow(b_q, b_k, gp, t0, n_valid, Hkv * K, k0, K, BT, BK)
+        p = _scores_slow(b_q, b_k, gp, t0, n_valid, Hkv * K, k0, K, BT, BK, DOT_BF16, PREC, SLOW_BLOCKS)
     return p, b_q, G
 
 
@@ -508,7 +575,8 @@ def _fwd_output_kernel(q, k, v, g, o, hbuf, cu_seqlens, chunk_offsets, chunk_ind
                        VS: tl.constexpr, VO: tl.constexpr, NORM: tl.constexpr,
                        BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
                        NK: tl.constexpr, NV: tl.constexpr, R: tl.constexpr,
-                       IS_VARLEN: tl.constexpr, DOT_BF16: tl.constexpr, PREC: tl.constexpr):
+                       IS_VARLEN: tl.constexpr, DOT_BF16: tl.constexpr, PREC: tl.constexpr,
+                       SLOW_BLOCKS: tl.constexpr):
     """o for one chunk and every query head of one KV group. When K fits one tile the k-side
     work (loads, 2^G, k 2^-G) is done once for the group; otherwise it is redone per head.
     NORM: column V of o gets the normaliser s * (rowsum(mask(P)) + (q 2^G) z), what a column
@@ -543,7 +611,7 @@ def _fwd_output_kernel(q, k, v, g, o, hbuf, cu_seqlens, chunk_offsets, chunk_ind
             if fast:
                 P = _mm(q_e, tl.trans(k_e), DOT_BF16, PREC)
             else:
-                P = _scores_slow(b_q, b_k, gp, t0, n_valid, Hkv * K, 0, K, BT, BK)
+                P = _scores_slow(b_q, b_k, gp, t0, n_valid, Hkv * K, 0, K, BT, BK, DOT_BF16, PREC, SLOW_BLOCKS)
             P = tl.where(causal, P, 0.0)
             if NORM:
                 z = _load_col(hp, 0, K, V, VS, BK)
@@ -562,7 +630,7 @@ def _fwd_output_kernel(q, k, v, g, o, hbuf, cu_seqlens, chunk_offsets, chunk_ind
             den = tl.zeros([BT], dtype=tl.float32)
             for i_k in range(NK):
                 p, b_q, G = _score_tile(qp, kp, gp, t0, n_valid, i_k * BK, H, Hkv, K, BT, BK,
-                                        DOT_BF16, PREC)
+                                        DOT_BF16, PREC, SLOW_BLOCKS)
                 P += p
                 if NORM:
                     z = _load_col(hp, i_k * BK, K, V, VS, BK)
@@ -705,7 +773,7 @@ def _bwd_dqkg_kernel(q, k, v, g, do, hbuf, dhbuf, dq, dk, dg, dv, cu_seqlens, ch
                      VS: tl.constexpr, VO: tl.constexpr, NORM: tl.constexpr,
                      BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, NV: tl.constexpr,
                      R: tl.constexpr, WITH_DV: tl.constexpr, IS_VARLEN: tl.constexpr,
-                     DOT_BF16: tl.constexpr, PREC: tl.constexpr):
+                     DOT_BF16: tl.constexpr, PREC: tl.constexpr, SLOW_BLOCKS: tl.constexpr):
     """dq (every head of the group), dk and dg for one chunk, one K tile, one KV head; also
     dv when WITH_DV (one K tile and one V tile cover everything: the separate dv kernel,
     with its second read of q, k, g, do, is then skipped).
@@ -767,7 +835,7 @@ def _bwd_dqkg_kernel(q, k, v, g, do, hbuf, dhbuf, dq, dk, dg, dv, cu_seqlens, ch
                 P = _mm(q_e, tl.trans(k_e), DOT_BF16, PREC)
             else:
                 P = _scores_slow(b_qr.to(tl.float32), b_kr.to(tl.float32), gp, t0, n_valid,
-                                 Hkv * K, k0, K, BT, BK)
+                                 Hkv * K, k0, K, BT, BK, DOT_BF16, PREC, SLOW_BLOCKS)
             P = tl.where(rows[:, None] >= rows[None, :], P * scale, 0.0)
             b_dv += _mm(tl.trans(P), b_do, DOT_BF16, PREC)
         else:
@@ -793,7 +861,7 @@ def _bwd_dqkg_kernel(q, k, v, g, do, hbuf, dhbuf, dq, dk, dg, dv, cu_seqlens, ch
             dk_low = _mm(tl.trans(dP), q_e, DOT_BF16, PREC) * tl.exp2(-G)
         else:
             dq_s, dk_low = _dqk_slow(dP, b_q, b_kr.to(tl.float32), gp, t0, n_valid, Hkv * K, k0,
-                                     K, BT, BK)
+                                     K, BT, BK, DOT_BF16, PREC, SLOW_BLOCKS)
             b_dq = dq_h * (tl.exp2(G) * scale) + dq_s
         b_k = b_kr.to(tl.float32)
         dg_acc += b_q * b_dq - b_k * dk_low
@@ -832,7 +900,7 @@ def _bwd_dv_kernel(q, k, g, do, dhbuf, dv, cu_seqlens, chunk_offsets, chunk_indi
                    VS: tl.constexpr, VO: tl.constexpr, NORM: tl.constexpr,
                    BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, NK: tl.constexpr,
                    R: tl.constexpr, IS_VARLEN: tl.constexpr, DOT_BF16: tl.constexpr,
-                   PREC: tl.constexpr):
+                   PREC: tl.constexpr, SLOW_BLOCKS: tl.constexpr):
     """dv = (k 2^{G_last - G}) dh_{n+1} + s * sum_heads mask(P)^T do, one chunk, one V tile."""
     i_v = tl.program_id(0)
     i_c = tl.program_id(1)
@@ -868,7 +936,7 @@ def _bwd_dv_kernel(q, k, g, do, dhbuf, dv, cu_seqlens, chunk_offsets, chunk_indi
             if fast:
                 P = _mm(b_q * e_q, tl.trans(k_e), DOT_BF16, PREC)
             else:
-                P = _scores_slow(b_q, b_k, gp, t0, n_valid, Hkv * K, 0, K, BT, BK)
+                P = _scores_slow(b_q, b_k, gp, t0, n_valid, Hkv * K, 0, K, BT, BK, DOT_BF16, PREC, SLOW_BLOCKS)
             P = tl.where(causal, P * scale, 0.0)
             b_do = _load_rows(do + hq * VO, t0, n_valid, H * VO, v0, V, BT, BV)
             b_dv += _mm(tl.trans(P), b_do, DOT_BF16, PREC)
@@ -885,7 +953,7 @@ def _bwd_dv_kernel(q, k, g, do, dhbuf, dv, cu_seqlens, chunk_offsets, chunk_indi
             P = tl.zeros([BT, BT], dtype=tl.float32)
             for i_k in range(NK):
                 p, _, _ = _score_tile(qp, kp, gp, t0, n_valid, i_k * BK, H, Hkv, K, BT, BK,
-                                      DOT_BF16, PREC)
+                                      DOT_BF16, PREC, SLOW_BLOCKS)
                 P += p
             P = tl.where(causal, P * scale, 0.0)
             b_do = _load_rows(do + hq * VO, t0, n_valid, H * VO, v0, V, BT, BV)
@@ -1004,9 +1072,36 @@ def _check(q, k, v, g, initial_state, cu_seqlens, chunked: bool, normalizer: boo
     return B, T, H, Hkv, K, V, N
 
 
+# A converted model calls the kernel once per layer with the same cu_seqlens tensor. Sizing
+# the grid needs its values on the host, and copying them there waits for every kernel queued
+# before (the launch queue drains 30 times a forward for SmolLM2). So the metadata of the last
+# few cu_seqlens tensors is kept, keyed by the tensor itself (a strong reference, so its id
+# cannot be reused while cached) and its version counter (bumped by any in-place change).
+VARLEN_CACHE = True
+_VARLEN_MEMO: dict = {}
+_SEGMENT_MEMO: dict = {}
+_VARLEN_MEMO_SIZE = 4
+
+
 def _varlen_meta(cu_seqlens, T, BT, device):
     """chunk_offsets [N+1] (chunks before each sequence) and chunk_indices [NTtot, 2]
-    (sequence, chunk within it), int32 on the device; one host sync to size the grid."""
+    (sequence, chunk within it), int32 on the device, plus the chunk total and the chunk
+    count of every sequence (host list); computed once per cu_seqlens tensor (see above)."""
+    if not VARLEN_CACHE:
+        return _varlen_meta_uncached(cu_seqlens, T, BT, device)
+    key = (id(cu_seqlens), cu_seqlens._version, T, BT, str(device))
+    hit = _VARLEN_MEMO.get(key)
+    if hit is not None and hit[0] is cu_seqlens:
+        return hit[1]
+    meta = _varlen_meta_uncached(cu_seqlens, T, BT, device)
+    if len(_VARLEN_MEMO) >= _VARLEN_MEMO_SIZE:
+        _VARLEN_MEMO.pop(next(iter(_VARLEN_MEMO)))
+    _VARLEN_MEMO[key] = (cu_seqlens, meta)
+    return meta
+
+
+def _varlen_meta_uncached(cu_seqlens, T, BT, device):
+    """What _varlen_meta returns; one host sync to size the grid."""
     cu = cu_seqlens.detach().to("cpu", torch.int64)
     lens = cu[1:] - cu[:-1]
     if int(cu[0]) != 0 or int(cu[-1]) != T or bool((lens < 0).any()):
@@ -1019,7 +1114,7 @@ def _varlen_meta(cu_seqlens, T, BT, device):
     within = torch.arange(total) - torch.repeat_interleave(offsets[:-1], n_chunks)
     indices = torch.stack([seq, within], dim=1).to(torch.int32).contiguous()
     return (cu.to(device=device, dtype=torch.int32), offsets.to(device=device, dtype=torch.int32),
-            indices.to(device), total, n_chunks)
+            indices.to(device), total, tuple(n_chunks.tolist()))
 
 
 class _Segments:
@@ -1130,6 +1225,9 @@ class _Config:
         self.warps_g = 8 if wide_tiles and not (self.dot_bf16 and K <= 64 and V <= 64) else 4
         self.warps_dv = self.warps_o
         self.stages_chunk = 1
+        # Chunks whose decay rules out one factorisation: 16-row blocks (1) or row by row (0).
+        # Off until timed on the GPU: it costs the common path spills (ptxas, NOTES session 7).
+        self.slow_blocks = 0
         self.state_dtype = torch.bfloat16 if dtype == torch.bfloat16 else torch.float32
         for name, value in OVERRIDES.items():
             setattr(self, name, value)
@@ -1153,7 +1251,17 @@ class _Config:
                 seg_len = max(self.seg_min, _cdiv(nt_max, per_seq))
                 if seg_len >= nt_max:
                     seg_len = 0
-        return _Segments(seg_len, n_chunks, varlen, device)
+        if not (varlen and seg_len and VARLEN_CACHE):
+            return _Segments(seg_len, n_chunks, varlen, device)
+        # Packed documents upload two index tensors (a host-to-device copy waits for the
+        # queue as a sync does): the same plan for every layer of a forward is built once.
+        key = (tuple(n_chunks), seg_len, str(device))
+        seg = _SEGMENT_MEMO.get(key)
+        if seg is None:
+            if len(_SEGMENT_MEMO) >= _VARLEN_MEMO_SIZE:
+                _SEGMENT_MEMO.pop(next(iter(_SEGMENT_MEMO)))
+            seg = _SEGMENT_MEMO[key] = _Segments(seg_len, n_chunks, varlen, device)
+        return seg
 
 
 def _forward(q, k, v, g, scale, h0, want_ht, cu_seqlens, tiles, chunk, segment, normalizer):
@@ -1166,7 +1274,6 @@ def _forward(q, k, v, g, scale, h0, want_ht, cu_seqlens, tiles, chunk, segment, 
     if cu_seqlens is not None:
         cu, offsets, indices, total, n_chunks = _varlen_meta(cu_seqlens, T, cfg.BT, q.device)
         n_entries = total + N
-        n_chunks = n_chunks.tolist()
     else:
         cu = offsets = indices = None
         total = B * _cdiv(T, cfg.BT)
@@ -1194,7 +1301,7 @@ def _forward(q, k, v, g, scale, h0, want_ht, cu_seqlens, tiles, chunk, segment, 
     _fwd_output_kernel[(total, Hkv)](
         q, k, v, g, o, hbuf, cu, offsets, indices, T, scale,
         H=H, Hkv=Hkv, K=K, V=V, BT=cfg.BT, BK=cfg.BK_o, BV=cfg.BV_o, NK=cfg.NK_o, NV=cfg.NV_o,
-        R=R, **common, num_warps=cfg.warps_o, num_stages=cfg.stages_chunk)
+        R=R, SLOW_BLOCKS=cfg.slow_blocks, **common, num_warps=cfg.warps_o, num_stages=cfg.stages_chunk)
     meta = (cfg, cu, offsets, indices, total, N, seg, bool(normalizer))
     return o, ht, hbuf, meta
 
@@ -1253,12 +1360,13 @@ def _backward(q, k, v, g, scale, hbuf, meta, do, dht, want_dh0):
     _bwd_dqkg_kernel[(cfg.NK_g, total, Hkv)](
         q, k, v, g, do, hbuf, dhbuf, dq, dk, dg, dv, cu, offsets, indices, T, scale,
         H=H, Hkv=Hkv, K=K, V=V, BT=cfg.BT, BK=cfg.BK_g, BV=cfg.BV_g, NV=cfg.NV_g, R=R,
-        WITH_DV=cfg.merge_dv, **common, num_warps=cfg.warps_g, num_stages=cfg.stages_chunk)
+        WITH_DV=cfg.merge_dv, SLOW_BLOCKS=cfg.slow_blocks, **common, num_warps=cfg.warps_g,
+        num_stages=cfg.stages_chunk)
     if not cfg.merge_dv:
         _bwd_dv_kernel[(cfg.NV_o, total, Hkv)](
             q, k, g, do, dhbuf, dv, cu, offsets, indices, T, scale,
             H=H, Hkv=Hkv, K=K, V=V, BT=cfg.BT, BK=cfg.BK_o, BV=cfg.BV_o, NK=cfg.NK_o, R=R,
-            **common, num_warps=cfg.warps_dv, num_stages=cfg.stages_chunk)
+            SLOW_BLOCKS=cfg.slow_blocks, **common, num_warps=cfg.warps_dv, num_stages=cfg.stages_chunk)
     return dq, dk, dv, dg, dh0
 
 

@@ -157,6 +157,48 @@ def test_lora_inputs_in_compute_dtype_changes_nothing_under_autocast():
         torch.testing.assert_close(grads_b[name], grads_a[name], rtol=0, atol=0, msg=name)
 
 
+def test_attention_transfer_trains_only_the_layer_it_scores():
+    """Stage 1 with LoRA attached (it requires grad from the start): the new parameters get
+    exactly the gradients they get without LoRA, and the backward stays inside each layer's
+    GLA branch (no gradient reaches the MLP or the q/k/v adapters of any layer)."""
+    from helpers import tiny_teacher
+    from peft import LoraConfig, get_peft_model
+
+    from glaswap.convert import glaswap_config
+    from glaswap.distill.train import _transfer_step
+
+    teacher = tiny_teacher("llama", layers=3)
+    options = {"gate": "lowrank", "feature_map": "hedgehog_pm"}
+
+    def grads(with_lora):
+        torch.manual_seed(0)
+        lm = GLASwapForCausalLM(glaswap_config(teacher.config.to_dict(), options))
+        lm.load_state_dict(teacher.state_dict(), strict=False)
+        new = set(lm.new_parameter_names())
+        if with_lora:
+            targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+            get_peft_model(lm, LoraConfig(r=4, lora_alpha=8, target_modules=targets))
+        for name, p in lm.named_parameters():
+            p.requires_grad_(name in new or ".lora_" in name)
+        for layer in lm.model.layers:
+            layer.self_attn.transfer = True
+        ids = torch.arange(150)[None] % 128
+        cu = torch.tensor([0, 60, 150], dtype=torch.int32)
+        with lm.attention_mode("softmax"):
+            loss = _transfer_step(lm, {"input_ids": ids, "cu_seqlens": cu})
+        loss.backward()
+        return {n.replace("base_model.model.", ""): p.grad for n, p in lm.named_parameters()
+                if p.grad is not None}
+
+    plain, lora = grads(False), grads(True)
+    new_only = {n: g for n, g in lora.items() if ".lora_" not in n}
+    assert new_only.keys() == plain.keys() and len(plain) > 0
+    for name in plain:
+        torch.testing.assert_close(new_only[name], plain[name], rtol=1e-5, atol=1e-7, msg=name)
+    # Only the GLA branch's output projection sits between a trained parameter and the loss.
+    assert lora and all(".o_proj.lora_" in n for n in lora if ".lora_" in n)
+
+
 # ----------------------------------------------------------------------------- tiny runs
 def _quiet(*_args, **_kwargs):
     pass

@@ -62,6 +62,16 @@ def gates(shape, kind, gen):
         strong = torch.rand(shape[-1], generator=gen) < 0.3
         return torch.where(strong, -20.0 * torch.rand(shape, generator=gen),
                            F.logsigmoid(torch.randn(shape, generator=gen)) / 4)
+    if kind in ("trained", "bursty"):
+        # What distillation learns: 40% of channels keep only 0.14-0.5 of their state a step
+        # (past 2^-80 over a 64-token chunk, not over a 16-row block); bursty adds three steps
+        # of -40 on every channel, so that row blocks of one tile take both exact paths.
+        fast = torch.rand(shape[-1], generator=gen) < 0.4
+        g = torch.where(fast, -0.7 - 1.3 * torch.rand(shape, generator=gen),
+                        F.logsigmoid(torch.randn(shape, generator=gen) + 1.0))
+        if kind == "bursty":
+            g[:, [5, 70, 71]] = -40.0
+        return g
     raise ValueError(kind)
 
 
@@ -177,6 +187,27 @@ def test_decay_regimes(gate):
 
 
 @needs_kernels
+@pytest.mark.parametrize("blocks", [0, 1])
+@pytest.mark.parametrize("gate", ["trained", "bursty", "strong"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_learned_strong_decays(monkeypatch, blocks, gate, dtype):
+    # chunks of 64 whose decay rules out one factorisation, both slow paths (launch key
+    # slow_blocks): 16-row blocks factorised around their own first row (trained), some
+    # blocks row by row (bursty), every block row by row (strong); or every row alone; GQA
+    monkeypatch.setitem(gla_triton.OVERRIDES, "slow_blocks", blocks)
+    run_and_compare(B=1, T=150, H=4, Hkv=2, K=32, V=32, gate=gate, dtype=dtype)
+
+
+@needs_kernels
+@pytest.mark.parametrize("blocks", [0, 1])
+def test_learned_strong_decays_tiles_varlen_normalizer(monkeypatch, blocks):
+    # the same through the K-tiled kernels (3 tiles of 16), packed documents and the normaliser
+    monkeypatch.setitem(gla_triton.OVERRIDES, "slow_blocks", blocks)
+    run_and_compare(B=1, T=150, H=2, Hkv=1, K=48, V=40, gate="trained", tiles=(16, 16),
+                    seqs=[70, 1, 79], normalizer=True)
+
+
+@needs_kernels
 def test_decay_regimes_bf16():
     err = run_and_compare(B=1, T=80, H=2, Hkv=1, K=32, V=32, gate="mixed", dtype=torch.bfloat16)
     assert all(e == e for e in err.values())
@@ -228,6 +259,29 @@ def test_segmented_varlen_with_empty_document():
 def test_segmented_multi_tile_bf16():
     run_and_compare(B=1, T=100, H=2, Hkv=1, K=48, V=24, dtype=torch.bfloat16, gate="mixed",
                     tiles=(16, 16), chunk=16, segment=2)
+
+
+@needs_kernels
+def test_varlen_metadata_cached_per_tensor(monkeypatch):
+    """Every layer of a model passes the same cu_seqlens: its metadata is built (one host
+    sync) once, and rebuilt when the tensor changes in place or another tensor comes."""
+    calls = []
+    real = gla_triton._varlen_meta_uncached
+    monkeypatch.setattr(gla_triton, "_varlen_meta_uncached", lambda *a: calls.append(1) or real(*a))
+    monkeypatch.setattr(gla_triton, "_VARLEN_MEMO", {})
+    monkeypatch.setattr(gla_triton, "_SEGMENT_MEMO", {})
+    (q, k, v, g), _, cu, _, _ = make_inputs(1, 90, 2, 1, 16, 16, seqs=[40, 50])
+    cu = cu.to(DEVICE)
+    xs = [x.to(DEVICE) for x in (q, k, v, g)]
+    first = fused_chunk_gla(*xs, cu_seqlens=cu, output_final_state=True, _chunk=16, _segment=1)
+    again = fused_chunk_gla(*xs, cu_seqlens=cu, output_final_state=True, _chunk=16, _segment=1)
+    assert len(calls) == 1 and torch.equal(first[0], again[0]) and torch.equal(first[1], again[1])
+    cu[1] = 70                                       # in place: the documents are now 70 + 20
+    moved = fused_chunk_gla(*xs, cu_seqlens=cu, output_final_state=True, _chunk=16, _segment=1)
+    ref = recurrent_gla_torch(*[x.double() for x in xs], cu_seqlens=cu, output_final_state=True)
+    assert len(calls) == 2 and rel(moved[0], ref[0]) < 1e-4 and rel(moved[1], ref[1]) < 1e-4
+    fused_chunk_gla(*xs, cu_seqlens=cu.clone(), _chunk=16)   # an equal but new tensor
+    assert len(calls) == 3
 
 
 def test_segment_plan():
@@ -417,6 +471,15 @@ def test_bad_cu_seqlens():
     with pytest.raises(ValueError, match="cu_seqlens"):
         fused_chunk_gla(q, k, v, g, cu_seqlens=torch.tensor([0, 4, 5], dtype=torch.int32,
                                                             device=DEVICE))
+
+
+def test_overrides_from_the_environment():
+    """glaswap distill never imports the kernels itself: launch keys come from the environment."""
+    import subprocess
+    code = "from glaswap_kernels import gla_triton; print(sorted(gla_triton.OVERRIDES.items()))"
+    env = dict(os.environ, GLASWAP_GLA_OVERRIDES="slow_blocks=1, warps_o=8")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[('slow_blocks', 1), ('warps_o', 8)]"
 
 
 def test_module_is_self_contained():

@@ -179,13 +179,21 @@ class GLAAttention(nn.Module):
 
     def forward(self, hidden_states, position_embeddings=None, attention_mask=None,
                 past_key_values=None, cu_seqlens=None, **kwargs):
+        if self.mode == "softmax" and self.transfer:
+            # Attention transfer: this layer's gate and feature maps learn on the teacher's own
+            # inputs and projections, held fixed. Without the detach each layer's loss would run
+            # backward through every earlier layer too (stage 2's LoRA adapters already require
+            # grad), which changes no gradient of the trained parameters but costs a full backward.
+            x = hidden_states.detach()
+            with torch.no_grad():
+                q, k, v = self._project(x)
+                out = self._softmax_attention(q, k, v, position_embeddings, attention_mask, cu_seqlens)
+            gla = self._gla(x, q, k, v, position_embeddings, attention_mask, None, cu_seqlens)
+            self.transfer_loss = F.mse_loss(gla.float(), out.float())
+            return out, None
         q, k, v = self._project(hidden_states)
         if self.mode == "softmax":
-            with torch.set_grad_enabled(torch.is_grad_enabled() and not self.transfer):
-                out = self._softmax_attention(q, k, v, position_embeddings, attention_mask, cu_seqlens)
-            if self.transfer:
-                gla = self._gla(hidden_states, q, k, v, position_embeddings, attention_mask, None, cu_seqlens)
-                self.transfer_loss = F.mse_loss(gla.float(), out.float())
+            out = self._softmax_attention(q, k, v, position_embeddings, attention_mask, cu_seqlens)
             return out, None
         return self._gla(hidden_states, q, k, v, position_embeddings, attention_mask,
                          past_key_values, cu_seqlens), None
