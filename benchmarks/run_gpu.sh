@@ -191,7 +191,7 @@ next10)     # session 8's first call: the GPU tests (every gpu-marked one of the
       tests/test_layer_kernels.py tests/test_gla_triton.py -k "gpu or learned or cached_per" 2>&1 | tail -6 || true
   for sb in 0 1; do
     timeout 100 python3 benchmarks/bench_kernels.py --quick --only glaswap --gates seed,trained \
-        --set slow_blocks=$sb --json "$OUT/kernels-sb$sb.json" 2>&1 | tail -11 | head -9 || true
+        --set slow_blocks=$sb --json "$OUT/kernels-sb$sb.json" 2>&1 | grep -E "^(shape|[0-9]+x|  CHECK)" || true
   done
   for sb in 0 1; do
     GLASWAP_GLA_OVERRIDES=slow_blocks=$sb timeout 150 python3 benchmarks/bench_recipe_step.py \
