@@ -109,13 +109,12 @@ def gates_like(kind, shape, device, gen):
     chunk takes the one-matmul path). trained: what distillation learns (SmolLM2's stage 1
     slowed 2.5x as its gates formed): 40% of channels keep 0.14-0.5 of their state a step,
     more than 2^-80 lost over a 64-token chunk, so those chunks take the blocked path."""
-    x = torch.rand(shape, device=device, generator=gen)
-    weak = F.logsigmoid(torch.randn(shape, device=device, generator=gen))
     if kind == "seed":
-        return weak / 16
+        return F.logsigmoid(torch.randn(shape, device=device, generator=gen)) / 16
     if kind == "trained":
         strong = torch.rand(shape[-1], device=device, generator=gen) < 0.4
-        return torch.where(strong, -0.7 - 1.3 * x, F.logsigmoid(torch.randn(shape, device=device, generator=gen) + 1.0))
+        fast = -0.7 - 1.3 * torch.rand(shape, device=device, generator=gen)
+        return torch.where(strong, fast, F.logsigmoid(torch.randn(shape, device=device, generator=gen) + 1.0))
     raise ValueError(f"unknown gates {kind!r}")
 
 

@@ -48,7 +48,6 @@ def packed_batch(B, T, vocab, doc_mean, seed=0):
 def real_batch(path, B, T):
     """Blocks 0..B-1 of a token file in the recipe's order for step 0 (seed 0, stage 2)."""
     from glaswap.distill import data as D
-
     from glaswap.distill.recipe import DataSource
 
     blocks = D.PackedBlocks(D.load_tokens(DataSource(path=path), None, vocab_size=2**16), T)
@@ -72,10 +71,17 @@ def strong_gates(lm, fraction, decay=0.3, seed=0):
 
 
 def stage1_step(lm, params, opt, batch):
+    """As stage 1 runs it: transfer flags on, softmax attention, MSE of every layer."""
     from glaswap.distill.train import _transfer_step
 
-    with torch.autocast("cuda", dtype=torch.bfloat16):
-        loss = _transfer_step(lm, batch)
+    for layer in lm.model.layers:
+        layer.self_attn.transfer = True
+    try:
+        with lm.attention_mode("softmax"), torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = _transfer_step(lm, batch)
+    finally:
+        for layer in lm.model.layers:
+            layer.self_attn.transfer = False
     loss.backward()
     torch.nn.utils.clip_grad_norm_(params, 1.0)
     opt.step()
@@ -92,25 +98,6 @@ def stage2_step(lm, peft_lm, params, opt, batch):
     torch.nn.utils.clip_grad_norm_(params, 1.0)
     opt.step()
     lm.zero_grad(set_to_none=True)
-
-
-class _Stage1:
-    """Stage-1 mode for the duration of a step: transfer flags on, softmax attention."""
-
-    def __init__(self, lm):
-        self.lm = lm
-
-    def __call__(self, fn):
-        def run():
-            for layer in self.lm.model.layers:
-                layer.self_attn.transfer = True
-            try:
-                with self.lm.attention_mode("softmax"):
-                    fn()
-            finally:
-                for layer in self.lm.model.layers:
-                    layer.self_attn.transfer = False
-        return run
 
 
 def busy_fraction(fn, iters=3, top=0):
@@ -175,7 +162,7 @@ def main():
     new = set(lm.new_parameter_names())
     named = dict(lm.named_parameters())
     p1 = [named[n] for n in sorted(new)]
-    p2 = [p for n, p in named.items() if p.requires_grad]
+    p2 = [p for p in named.values() if p.requires_grad]
     opt1 = torch.optim.AdamW(p1, lr=1e-5)
     opt2 = torch.optim.AdamW(p2, lr=1e-5)
     if args.data:
@@ -183,7 +170,7 @@ def main():
     else:
         batch = packed_batch(B, T, bench_distill.SHAPES[args.shape]["vocab_size"], args.doc_mean)
     n_docs = B if batch["cu_seqlens"] is None else batch["cu_seqlens"].numel() - 1
-    steps = {"stage1": _Stage1(lm)(lambda: stage1_step(lm, p1, opt1, batch)),
+    steps = {"stage1": lambda: stage1_step(lm, p1, opt1, batch),
              "stage2": lambda: stage2_step(lm, peft_lm, p2, opt2, batch)}
     times = bench_distill.measure(steps, args.reps)
     rows = []

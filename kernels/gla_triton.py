@@ -67,6 +67,8 @@ POISON = False
 OVERRIDES: dict = {}
 for _item in filter(None, os.environ.get("GLASWAP_GLA_OVERRIDES", "").split(",")):
     _key, _, _value = _item.partition("=")
+    if not _value.strip().lstrip("-").isdigit():
+        raise ValueError(f"GLASWAP_GLA_OVERRIDES: {_item.strip()!r} is not KEY=INTEGER")
     OVERRIDES[_key.strip()] = int(_value)
 
 _LOG2E = tl.constexpr(1.4426950408889634)
@@ -1094,10 +1096,16 @@ def _varlen_meta(cu_seqlens, T, BT, device):
     if hit is not None and hit[0] is cu_seqlens:
         return hit[1]
     meta = _varlen_meta_uncached(cu_seqlens, T, BT, device)
-    if len(_VARLEN_MEMO) >= _VARLEN_MEMO_SIZE:
-        _VARLEN_MEMO.pop(next(iter(_VARLEN_MEMO)))
-    _VARLEN_MEMO[key] = (cu_seqlens, meta)
+    _remember(_VARLEN_MEMO, key, (cu_seqlens, meta))
     return meta
+
+
+def _remember(memo: dict, key, value):
+    """memo[key] = value, dropping the oldest entry when the memo is full."""
+    if len(memo) >= _VARLEN_MEMO_SIZE:
+        memo.pop(next(iter(memo)))
+    memo[key] = value
+    return value
 
 
 def _varlen_meta_uncached(cu_seqlens, T, BT, device):
@@ -1258,9 +1266,7 @@ class _Config:
         key = (tuple(n_chunks), seg_len, str(device))
         seg = _SEGMENT_MEMO.get(key)
         if seg is None:
-            if len(_SEGMENT_MEMO) >= _VARLEN_MEMO_SIZE:
-                _SEGMENT_MEMO.pop(next(iter(_SEGMENT_MEMO)))
-            seg = _SEGMENT_MEMO[key] = _Segments(seg_len, n_chunks, varlen, device)
+            seg = _remember(_SEGMENT_MEMO, key, _Segments(seg_len, n_chunks, varlen, device))
         return seg
 
 

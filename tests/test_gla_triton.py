@@ -480,6 +480,9 @@ def test_overrides_from_the_environment():
     env = dict(os.environ, GLASWAP_GLA_OVERRIDES="slow_blocks=1, warps_o=8")
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[('slow_blocks', 1), ('warps_o', 8)]"
+    env["GLASWAP_GLA_OVERRIDES"] = "slow_blocks=on"
+    bad = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert bad.returncode != 0 and "GLASWAP_GLA_OVERRIDES: 'slow_blocks=on' is not KEY=INTEGER" in bad.stderr
 
 
 def test_module_is_self_contained():
