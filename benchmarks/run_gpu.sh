@@ -20,6 +20,7 @@
 #   bash benchmarks/run_gpu.sh next8         # GPU tests (one-kernel hedgehog_pm), 1B step with pm
 #   bash benchmarks/run_gpu.sh next9         # GPU tests (pm map, packed docs), the recipe's steps timed
 #   bash benchmarks/run_gpu.sh next10        # GPU tests, slow path row by row vs 16-row blocks (kernels, step)
+#   bash benchmarks/run_gpu.sh next11        # slow_blocks 1's crash repeated, mode 2, their speed
 #   bash benchmarks/run_gpu.sh quality "NAME:OVERRIDES" ...  # GPU recipe runs, in turn
 #       (after the payload steps; call again to resume the unfinished ones)
 # The payload (built on a CPU machine, see NOTES.md) holds the SmolLM2 GGUF, the token
@@ -199,6 +200,38 @@ next10)     # session 8's first call: the GPU tests (every gpu-marked one of the
         --lora-targets q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj \
         --json "$OUT/recipe_step-strong-sb$sb.json" 2>&1 | tail -4 || true
   done ;;
+next11)     # session 9's first call: is slow_blocks=1's illegal memory access (session 8, dq/dk/dg
+            # kernel, 8x2048 H32 D64, 2 of 3 processes) repeatable, and does mode 2 (the same
+            # blocks unrolled, no matmul under a runtime branch) avoid it; then their speed
+  nvidia-smi --query-gpu=name,driver_version --format=csv,noheader || true
+  san=$(command -v compute-sanitizer || ls /usr/local/cuda*/bin/compute-sanitizer 2>/dev/null | head -1 || true)
+  echo "compute-sanitizer: ${san:-none}"
+  for sb in 0 1 2; do              # one process each: an illegal access poisons the context
+    timeout 150 python3 -m pytest -q -p no:cacheprovider -m gpu \
+        "tests/test_gla_triton.py::test_gpu_bf16_slow_paths[$sb]" 2>&1 | tail -2 || true
+  done
+  for rep in 1 2; do
+    for sb in 1 2; do
+      rc=0; CUDA_LAUNCH_BLOCKING=1 timeout 90 python3 benchmarks/bench_kernels.py --quick --only glaswap \
+          --gates seed,trained --match "8x2048 H32 D64" --set slow_blocks=$sb \
+          --json "$OUT/kernels-sb$sb-rep$rep.json" > "$OUT/kernels-sb$sb-rep$rep.log" 2>&1 || rc=$?
+      echo "slow_blocks=$sb rep $rep: exit $rc"; grep -E "^8x2048|Error" "$OUT/kernels-sb$sb-rep$rep.log" || true
+    done
+  done
+  if [ -n "$san" ]; then
+    GLASWAP_GLA_OVERRIDES=slow_blocks=1 timeout 150 "$san" --tool memcheck python3 -m pytest -q -x \
+        -p no:cacheprovider -m gpu "tests/test_gla_triton.py::test_gpu_bf16_slow_paths[1]" 2>&1 \
+        | grep -E "Invalid|at 0x|passed|failed" | head -20 || true
+  fi
+  for set in slow_blocks=0 slow_blocks=2 BT=32; do   # BT=32: chunks of 32 stay factorised down to
+    # ~0.18 of the state kept a step (64: ~0.42), at the price of twice the chunks
+    timeout 100 python3 benchmarks/bench_kernels.py --quick --only glaswap --gates seed,trained \
+        --set $set --json "$OUT/kernels-all-$set.json" 2>&1 | grep -E "^(shape|[0-9]+x|  CHECK)" || true
+  done
+  GLASWAP_GLA_OVERRIDES=slow_blocks=2 timeout 120 python3 benchmarks/bench_recipe_step.py \
+      --option feature_map=hedgehog_pm --strong-gates 0.4 \
+      --lora-targets q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj \
+      --json "$OUT/recipe_step-strong-sb2.json" 2>&1 | tail -3 || true ;;
 quality)    # runs of the GPU recipe, one after another (two processes sharing the GPU ran
             # 4-5x slower each: NOTES, session 4); each NAME:OVERRIDES gets runs/NAME and
             # LIMIT seconds; call again with the same specs to resume the unfinished ones.

@@ -270,7 +270,7 @@ def _scores_slow(b_q, b_k, gp, t0, n_valid, stride_t, c0, K: tl.constexpr,
     G, _ = _gates(gp, t0, n_valid, stride_t, c0, K, BT, BK)
     rows = tl.arange(0, BT)
     P = tl.zeros([BT, BT], dtype=tl.float32)
-    if BLOCKED:
+    if BLOCKED == 1:
         SB: tl.constexpr = 16 if BT > 16 else BT
         for blk in range(BT // SB):
             in_blk, r, ok = _block_frame(G, rows, blk * SB, SB, BT)
@@ -279,6 +279,22 @@ def _scores_slow(b_q, b_k, gp, t0, n_valid, stride_t, c0, K: tl.constexpr,
                 k_f = b_k * tl.exp2(tl.minimum(r[None, :] - G, _SAFE))
                 P += _mm(q_f, tl.trans(k_f), DOT_BF16, PREC)
             else:
+                P = _score_rows(P, b_q, b_k, G, rows, blk * SB, blk * SB + SB)
+    elif BLOCKED == 2:
+        # The same blocks with no matmul under a runtime branch or loop (mode 1's form, dots
+        # in an if in a loop, hit an illegal memory access on the H200, NOTES session 8):
+        # every block's product unrolled and unconditional, a block too steep for it masked
+        # out and then redone row by row, a branch with no matmul in it.
+        SB: tl.constexpr = 16 if BT > 16 else BT
+        for blk in tl.static_range(BT // SB):
+            in_blk, r, ok = _block_frame(G, rows, blk * SB, SB, BT)
+            q_f = (tl.where(in_blk[:, None], b_q * tl.exp2(tl.minimum(G - r[None, :], 0.0)), 0.0)
+                   * ok.to(tl.float32))
+            k_f = b_k * tl.exp2(tl.minimum(r[None, :] - G, _SAFE))
+            P += _mm(q_f, tl.trans(k_f), DOT_BF16, PREC)
+        for blk in tl.static_range(BT // SB):
+            _, _, ok = _block_frame(G, rows, blk * SB, SB, BT)
+            if not ok:
                 P = _score_rows(P, b_q, b_k, G, rows, blk * SB, blk * SB + SB)
     else:
         P = _score_rows(P, b_q, b_k, G, rows, 0, BT)
@@ -312,7 +328,7 @@ def _dqk_slow(dP, b_q, b_k, gp, t0, n_valid, stride_t, c0, K: tl.constexpr,
     rows = tl.arange(0, BT)
     dq = tl.zeros([BT, BK], dtype=tl.float32)
     dk = tl.zeros([BT, BK], dtype=tl.float32)
-    if BLOCKED:
+    if BLOCKED == 1:
         SB: tl.constexpr = 16 if BT > 16 else BT
         for blk in range(BT // SB):
             in_blk, r, ok = _block_frame(G, rows, blk * SB, SB, BT)
@@ -324,6 +340,21 @@ def _dqk_slow(dP, b_q, b_k, gp, t0, n_valid, stride_t, c0, K: tl.constexpr,
                 q_f = tl.where(in_blk[:, None], b_q * tl.exp2(tl.minimum(G - r[None, :], 0.0)), 0.0)
                 dk += tl.exp2(tl.minimum(r[None, :] - G, _SAFE)) * _mm(tl.trans(dP_b), q_f, DOT_BF16, PREC)
             else:
+                dq, dk = _dqk_rows(dq, dk, dP, b_q, b_k, G, rows, blk * SB, blk * SB + SB)
+    elif BLOCKED == 2:
+        # mode 2 of _scores_slow: unrolled, unconditional products; a steep block's dP rows
+        # are masked out of them (its dk share) and its rows then redone one at a time
+        SB: tl.constexpr = 16 if BT > 16 else BT
+        for blk in tl.static_range(BT // SB):
+            in_blk, r, ok = _block_frame(G, rows, blk * SB, SB, BT)
+            dP_b = tl.where(in_blk[:, None], dP, 0.0) * ok.to(tl.float32)
+            dq += (tl.where(in_blk[:, None], tl.exp2(tl.minimum(G - r[None, :], 0.0)), 0.0)
+                   * _mm(dP_b, b_k * tl.exp2(tl.minimum(r[None, :] - G, _SAFE)), DOT_BF16, PREC))
+            q_f = tl.where(in_blk[:, None], b_q * tl.exp2(tl.minimum(G - r[None, :], 0.0)), 0.0)
+            dk += tl.exp2(tl.minimum(r[None, :] - G, _SAFE)) * _mm(tl.trans(dP_b), q_f, DOT_BF16, PREC)
+        for blk in tl.static_range(BT // SB):
+            _, _, ok = _block_frame(G, rows, blk * SB, SB, BT)
+            if not ok:
                 dq, dk = _dqk_rows(dq, dk, dP, b_q, b_k, G, rows, blk * SB, blk * SB + SB)
     else:
         dq, dk = _dqk_rows(dq, dk, dP, b_q, b_k, G, rows, 0, BT)
@@ -1233,8 +1264,10 @@ class _Config:
         self.warps_g = 8 if wide_tiles and not (self.dot_bf16 and K <= 64 and V <= 64) else 4
         self.warps_dv = self.warps_o
         self.stages_chunk = 1
-        # Chunks whose decay rules out one factorisation: 16-row blocks (1) or row by row (0).
-        # Off until timed on the GPU: it costs the common path spills (ptxas, NOTES session 7).
+        # Chunks whose decay rules out one factorisation: row by row (0), or 16-row blocks
+        # with their products under a runtime branch in a loop (1) or unrolled (2).
+        # Off: mode 1 made trained gates 3-5x faster on the H200 but hit an illegal memory
+        # access there in 2 of 3 processes (NOTES, session 8); mode 2 not yet run on a GPU.
         self.slow_blocks = 0
         self.state_dtype = torch.bfloat16 if dtype == torch.bfloat16 else torch.float32
         for name, value in OVERRIDES.items():
