@@ -23,6 +23,7 @@
 #   bash benchmarks/run_gpu.sh next11        # slow_blocks 1's crash repeated, mode 2, their speed
 #   bash benchmarks/run_gpu.sh quality "NAME:OVERRIDES" ...  # GPU recipe runs, in turn
 #       (after the payload steps; call again to resume the unfinished ones)
+#   bash benchmarks/run_gpu.sh quality-par "NAME:OVERRIDES" ...  # the same at once, one GPU each
 # The payload (built on a CPU machine, see NOTES.md) holds the SmolLM2 GGUF, the token
 # files of benchmarks/prepare_corpus.py and wheels (gguf, flash-linear-attention, fla-core):
 # the GPU machine has no network. glaswap is not installed there: it runs from this folder.
@@ -41,6 +42,21 @@ PAY="$HOME/payload"
 gpu_tests() {  # every GPU test of the kernels and the layer, within $1 seconds; the script goes on if they fail
   timeout "$1" python3 -m pytest -q -rfE -p no:cacheprovider -m gpu tests/test_layer_kernels.py tests/test_gla_triton.py \
       2>&1 | tail -8 || true
+}
+
+quality_run() {  # one GPU recipe run: $1 = NAME:OVERRIDES -> ~/runs/NAME, LIMIT seconds,
+                 # resumed if a previous call left it unfinished; its files copied to $OUT
+  local name="${1%%:*}" ov="${1#*:}" dir resume=""
+  dir="$HOME/runs/$name"
+  [ -f "$dir/glaswap.json" ] && { echo "## $name: finished"; return 0; }
+  [ -f "$dir.run/recipe.yaml" ] && resume="--resume"
+  timeout -s TERM "${LIMIT:-540}" python3 -m glaswap.cli distill --recipe recipes/smollm2-135m.yaml \
+      --out "$dir" $resume $ov train.checkpoint_every=100 2>&1 | tr '\r' '\n' \
+      | grep -vE "^stage [12]: .*(step/s|s/step).*\]$" >> "$OUT/$name.log" || true
+  echo "## $name"; tail -4 "$OUT/$name.log"
+  for f in eval.json metrics.jsonl loss.png glaswap.json; do
+    cp "$dir/$f" "$OUT/$name-$f" 2>/dev/null || cp "$dir.run/$f" "$OUT/$name-$f" 2>/dev/null || true
+  done
 }
 
 case "$1" in
@@ -236,18 +252,16 @@ quality)    # runs of the GPU recipe, one after another (two processes sharing t
             # 4-5x slower each: NOTES, session 4); each NAME:OVERRIDES gets runs/NAME and
             # LIMIT seconds; call again with the same specs to resume the unfinished ones.
   ln -sfn "$HOME/data" data
+  for spec in "${@:2}"; do quality_run "$spec"; done ;;
+quality-par)  # the same, at once, run i on GPU i (kind nvidia-h200-x2: two runs in one call)
+  ln -sfn "$HOME/data" data
+  i=0
   for spec in "${@:2}"; do
-    name="${spec%%:*}"; ov="${spec#*:}"; dir="$HOME/runs/$name"
-    [ -f "$dir/glaswap.json" ] && { echo "## $name: finished"; continue; }
-    resume=""; [ -f "$dir.run/recipe.yaml" ] && resume="--resume"
-    timeout -s TERM "${LIMIT:-540}" python3 -m glaswap.cli distill --recipe recipes/smollm2-135m.yaml \
-        --out "$dir" $resume $ov train.checkpoint_every=100 2>&1 | tr '\r' '\n' \
-        | grep -vE "^stage [12]: .*(step/s|s/step).*\]$" >> "$OUT/$name.log" || true
-    echo "## $name"; tail -4 "$OUT/$name.log"
-    for f in eval.json metrics.jsonl loss.png glaswap.json; do
-      cp "$HOME/runs/$name/$f" "$OUT/$name-$f" 2>/dev/null || cp "$HOME/runs/$name.run/$f" "$OUT/$name-$f" 2>/dev/null || true
-    done
-  done ;;
+    CUDA_VISIBLE_DEVICES=$i quality_run "$spec" > "$OUT/par$i.out" 2>&1 &
+    i=$((i + 1))
+  done
+  wait
+  cat "$OUT"/par*.out ;;
 kernels2)   # GPU tests, full table, per-kernel profile at the long shapes, variants
   python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_gla_triton.py 2>&1 | tee "$OUT/gpu_tests.log" | tail -3
   python3 benchmarks/bench_kernels.py --json "$OUT/kernels.json" 2>&1 | tee "$OUT/kernels.log" | tail -17
