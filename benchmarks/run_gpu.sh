@@ -239,10 +239,10 @@ next11)     # session 9's first call: is slow_blocks=1's illegal memory access (
         -p no:cacheprovider -m gpu "tests/test_gla_triton.py::test_gpu_bf16_slow_paths[1]" 2>&1 \
         | grep -E "Invalid|at 0x|passed|failed" | head -20 || true
   fi
-  for set in slow_blocks=0 slow_blocks=2 BT=32; do   # BT=32: chunks of 32 stay factorised down to
+  for kv in slow_blocks=0 slow_blocks=2 BT=32; do   # BT=32: chunks of 32 stay factorised down to
     # ~0.18 of the state kept a step (64: ~0.42), at the price of twice the chunks
     timeout 100 python3 benchmarks/bench_kernels.py --quick --only glaswap --gates seed,trained \
-        --set $set --json "$OUT/kernels-all-$set.json" 2>&1 | grep -E "^(shape|[0-9]+x|  CHECK)" || true
+        --set $kv --json "$OUT/kernels-all-$kv.json" 2>&1 | grep -E "^(shape|[0-9]+x|  CHECK)" || true
   done
   GLASWAP_GLA_OVERRIDES=slow_blocks=2 timeout 120 python3 benchmarks/bench_recipe_step.py \
       --option feature_map=hedgehog_pm --strong-gates 0.4 \

@@ -284,7 +284,8 @@ def _scores_slow(b_q, b_k, gp, t0, n_valid, stride_t, c0, K: tl.constexpr,
         # The same blocks with no matmul under a runtime branch or loop (mode 1's form, dots
         # in an if in a loop, hit an illegal memory access on the H200, NOTES session 8):
         # every block's product unrolled and unconditional, a block too steep for it masked
-        # out and then redone row by row, a branch with no matmul in it.
+        # out and then redone row by row, a branch with no matmul in it. A block's product
+        # only writes its own rows, so its fix-up can follow it directly.
         SB: tl.constexpr = 16 if BT > 16 else BT
         for blk in tl.static_range(BT // SB):
             in_blk, r, ok = _block_frame(G, rows, blk * SB, SB, BT)
@@ -292,8 +293,6 @@ def _scores_slow(b_q, b_k, gp, t0, n_valid, stride_t, c0, K: tl.constexpr,
                    * ok.to(tl.float32))
             k_f = b_k * tl.exp2(tl.minimum(r[None, :] - G, _SAFE))
             P += _mm(q_f, tl.trans(k_f), DOT_BF16, PREC)
-        for blk in tl.static_range(BT // SB):
-            _, _, ok = _block_frame(G, rows, blk * SB, SB, BT)
             if not ok:
                 P = _score_rows(P, b_q, b_k, G, rows, blk * SB, blk * SB + SB)
     else:
@@ -352,8 +351,6 @@ def _dqk_slow(dP, b_q, b_k, gp, t0, n_valid, stride_t, c0, K: tl.constexpr,
                    * _mm(dP_b, b_k * tl.exp2(tl.minimum(r[None, :] - G, _SAFE)), DOT_BF16, PREC))
             q_f = tl.where(in_blk[:, None], b_q * tl.exp2(tl.minimum(G - r[None, :], 0.0)), 0.0)
             dk += tl.exp2(tl.minimum(r[None, :] - G, _SAFE)) * _mm(tl.trans(dP_b), q_f, DOT_BF16, PREC)
-        for blk in tl.static_range(BT // SB):
-            _, _, ok = _block_frame(G, rows, blk * SB, SB, BT)
             if not ok:
                 dq, dk = _dqk_rows(dq, dk, dP, b_q, b_k, G, rows, blk * SB, blk * SB + SB)
     else:
