@@ -22,6 +22,15 @@ def _torchrun(nproc, args, cwd):
     return subprocess.run(cmd, cwd=str(cwd), env=env, capture_output=True, text=True, timeout=900)
 
 
+def _why(proc) -> str:
+    """What a failed torchrun printed: the lines that name an error, then the tails (a SIGABRT's
+    cause, e.g. gloo's 'terminate called after ...', sits far above torchrun's own summary)."""
+    keys = ("error", "terminate", "what()", "abort", "exception", "traceback")
+    flagged = [line for line in proc.stderr.splitlines() if any(k in line.lower() for k in keys)]
+    return "\n".join(["-- flagged stderr lines:", *flagged[:40], "-- stdout tail:", proc.stdout[-1500:],
+                      "-- stderr tail:", proc.stderr[-3000:]])
+
+
 def _losses(folder):
     rows = [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
     return [(r["stage"], r["step"], r["loss"]) for r in rows if "loss" in r]
@@ -47,7 +56,7 @@ def test_two_processes_match_one(tmp_path, layout):
             log=lambda *_: None)
     proc = _torchrun(2, ["--recipe", path, "stage1.batch_size=1", "stage2.batch_size=1",
                          f"train.distributed={layout}", "--out", tmp_path / "two"], tmp_path)
-    assert proc.returncode == 0, (proc.stdout[-2000:], proc.stderr[-4000:])
+    assert proc.returncode == 0, _why(proc)
     assert not (tmp_path / "two.run").exists()
     two = json.loads((tmp_path / "two" / "glaswap.json").read_text())
     assert two["distill"]["world_size"] == 2
@@ -60,7 +69,7 @@ def test_saved_with_two_processes_resumes_with_one(tmp_path):
     overrides = ["stage1.batch_size=1", "stage2.batch_size=1", "train.distributed=fsdp"]
     proc = _torchrun(2, ["--recipe", path, *overrides, "--out", tmp_path / "run", "--stop-after", "2:1"], tmp_path)
     # Each process exits with 130 (interrupted); torchrun reports that as its own failure.
-    assert proc.returncode != 0 and "checkpoint saved" in proc.stderr, (proc.stdout[-2000:], proc.stderr[-4000:])
+    assert proc.returncode != 0 and "checkpoint saved" in proc.stderr, _why(proc)
     assert not (tmp_path / "run").exists()
     # Resume in one process with the same global batch (2 blocks per micro-batch).
     recipe = load_recipe(path, overrides)

@@ -40,6 +40,7 @@ class Dist:
     world: int = 1
     local_rank: int = 0
     mode: str = "single"          # single | ddp | fsdp
+    owns_group: bool = False      # started the process group here, so closes it too
 
     @property
     def is_main(self) -> bool:
@@ -90,6 +91,17 @@ class Dist:
         if error is not None:
             raise GlaswapError(error)
         return result
+
+    def close(self, ok: bool):
+        """Leave the process group. After a clean run every process first waits for the others,
+        so none exits (closing its sockets) while a peer is still in a collective with it.
+        After an error there is no barrier: a peer that did not fail the same way would keep
+        this one waiting for the collective timeout. (The CLI then also skips Python's
+        shutdown under torchrun; see `_end_torchrun_worker` in glaswap/cli.py.)"""
+        if self.owns_group and tdist.is_initialized():
+            if ok:
+                tdist.barrier()
+            tdist.destroy_process_group()
 
     # ---------------------------------------------------------------- the model
     def wrap(self, model, device):
@@ -193,9 +205,11 @@ def setup_distributed(mode: str = "auto") -> Dist:
     if world <= 1:
         return Dist()
     rank, local_rank = int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", "0"))
-    if not tdist.is_initialized():
+    owns = not tdist.is_initialized()
+    if owns:
         backend = "nccl" if torch.cuda.is_available() else "gloo"
         if backend == "nccl":
             torch.cuda.set_device(local_rank)
         tdist.init_process_group(backend)
-    return Dist(rank=rank, world=world, local_rank=local_rank, mode="fsdp" if mode == "fsdp" else "ddp")
+    return Dist(rank=rank, world=world, local_rank=local_rank, mode="fsdp" if mode == "fsdp" else "ddp",
+                owns_group=owns)

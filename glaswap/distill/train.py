@@ -373,9 +373,19 @@ def distill(recipe: Recipe, out=None, resume: bool = False, force: bool = False,
     `stop_after=(stage, step)` stops like Ctrl-C after that step (checkpoint written); the
     resume test uses it.
     """
+    dist = setup_distributed(recipe.train.distributed)
+    ok = False
+    try:
+        meta = _distill(recipe, out, resume, force, log, stop_after, dist)
+        ok = True
+        return meta
+    finally:
+        dist.close(ok)
+
+
+def _distill(recipe: Recipe, out, resume: bool, force: bool, log, stop_after, dist: Dist) -> dict:
     from glaswap.convert import convert
 
-    dist = setup_distributed(recipe.train.distributed)
     out, run = _paths(recipe, out)
     _check_folders(out, run, resume, force)   # every rank: they all see the same folders
     _check_data_paths(recipe)
