@@ -371,7 +371,9 @@ def distill(recipe: Recipe, out=None, resume: bool = False, force: bool = False,
     """Run a recipe; returns the figures written to OUT/glaswap.json.
 
     `stop_after=(stage, step)` stops like Ctrl-C after that step (checkpoint written); the
-    resume test uses it.
+    resume test uses it. Under torchrun this closes the process group it started; a script
+    of your own should then end with `os._exit(0)` as `glaswap distill` does (see
+    `_end_torchrun_worker` in glaswap/cli.py for the gloo shutdown race it avoids).
     """
     dist = setup_distributed(recipe.train.distributed)
     ok = False
