@@ -254,6 +254,28 @@ def _score_rows(P, b_q, b_k, G, rows, lo, hi):
 
 
 @triton.jit
+def _block_scores(b_q, b_k, G, in_blk, r, DOT_BF16: tl.constexpr, PREC: tl.constexpr):
+    """The rows in_blk of P, factorised around the block's first row r:
+    (q_i 2^{G_i - r}) (k_j 2^{r - G_j}); other rows come out zero (see _scores_slow)."""
+    q_f = tl.where(in_blk[:, None], b_q * tl.exp2(tl.minimum(G - r[None, :], 0.0)), 0.0)
+    k_f = b_k * tl.exp2(tl.minimum(r[None, :] - G, _SAFE))
+    return _mm(q_f, tl.trans(k_f), DOT_BF16, PREC)
+
+
+@triton.jit
+def _block_dqk(dP, b_q, b_k, G, in_blk, r, DOT_BF16: tl.constexpr, PREC: tl.constexpr):
+    """The dq rows in_blk and their share of dk, in _block_scores' frame:
+    dq_B = 2^{G_B - r} (dP_B @ k 2^{r - G}) and dk = 2^{r - G} (dP_B^T @ q_B 2^{G_B - r})."""
+    # the factors are recomputed at each use: exps are cheaper than spilled tiles
+    dP_b = tl.where(in_blk[:, None], dP, 0.0)
+    dq = (tl.where(in_blk[:, None], tl.exp2(tl.minimum(G - r[None, :], 0.0)), 0.0)
+          * _mm(dP_b, b_k * tl.exp2(tl.minimum(r[None, :] - G, _SAFE)), DOT_BF16, PREC))
+    q_f = tl.where(in_blk[:, None], b_q * tl.exp2(tl.minimum(G - r[None, :], 0.0)), 0.0)
+    dk = tl.exp2(tl.minimum(r[None, :] - G, _SAFE)) * _mm(tl.trans(dP_b), q_f, DOT_BF16, PREC)
+    return dq, dk
+
+
+@triton.jit
 def _scores_slow(b_q, b_k, gp, t0, n_valid, stride_t, c0, K: tl.constexpr,
                  BT: tl.constexpr, BK: tl.constexpr, DOT_BF16: tl.constexpr, PREC: tl.constexpr,
                  BLOCKED: tl.constexpr):
@@ -275,24 +297,20 @@ def _scores_slow(b_q, b_k, gp, t0, n_valid, stride_t, c0, K: tl.constexpr,
         for blk in range(BT // SB):
             in_blk, r, ok = _block_frame(G, rows, blk * SB, SB, BT)
             if ok:
-                q_f = tl.where(in_blk[:, None], b_q * tl.exp2(tl.minimum(G - r[None, :], 0.0)), 0.0)
-                k_f = b_k * tl.exp2(tl.minimum(r[None, :] - G, _SAFE))
-                P += _mm(q_f, tl.trans(k_f), DOT_BF16, PREC)
+                P += _block_scores(b_q, b_k, G, in_blk, r, DOT_BF16, PREC)
             else:
                 P = _score_rows(P, b_q, b_k, G, rows, blk * SB, blk * SB + SB)
     elif BLOCKED == 2:
         # The same blocks with no matmul under a runtime branch or loop (mode 1's form, dots
         # in an if in a loop, hit an illegal memory access on the H200, NOTES session 8):
         # every block's product unrolled and unconditional, a block too steep for it masked
-        # out and then redone row by row, a branch with no matmul in it. A block's product
-        # only writes its own rows, so its fix-up can follow it directly.
+        # out (in_blk & ok) and then redone row by row, a branch with no matmul in it. A
+        # block's product only writes its own rows, so its fix-up can follow it directly.
         SB: tl.constexpr = 16 if BT > 16 else BT
         for blk in tl.static_range(BT // SB):
             in_blk, r, ok = _block_frame(G, rows, blk * SB, SB, BT)
-            q_f = (tl.where(in_blk[:, None], b_q * tl.exp2(tl.minimum(G - r[None, :], 0.0)), 0.0)
-                   * ok.to(tl.float32))
-            k_f = b_k * tl.exp2(tl.minimum(r[None, :] - G, _SAFE))
-            P += _mm(q_f, tl.trans(k_f), DOT_BF16, PREC)
+            # (ok != 0: the interpreter cannot `&` a bool tensor with a bool scalar)
+            P += _block_scores(b_q, b_k, G, in_blk & (ok != 0), r, DOT_BF16, PREC)
             if not ok:
                 P = _score_rows(P, b_q, b_k, G, rows, blk * SB, blk * SB + SB)
     else:
@@ -332,25 +350,20 @@ def _dqk_slow(dP, b_q, b_k, gp, t0, n_valid, stride_t, c0, K: tl.constexpr,
         for blk in range(BT // SB):
             in_blk, r, ok = _block_frame(G, rows, blk * SB, SB, BT)
             if ok:
-                # the factors are recomputed at each use: exps are cheaper than spilled tiles
-                dP_b = tl.where(in_blk[:, None], dP, 0.0)
-                dq += (tl.where(in_blk[:, None], tl.exp2(tl.minimum(G - r[None, :], 0.0)), 0.0)
-                       * _mm(dP_b, b_k * tl.exp2(tl.minimum(r[None, :] - G, _SAFE)), DOT_BF16, PREC))
-                q_f = tl.where(in_blk[:, None], b_q * tl.exp2(tl.minimum(G - r[None, :], 0.0)), 0.0)
-                dk += tl.exp2(tl.minimum(r[None, :] - G, _SAFE)) * _mm(tl.trans(dP_b), q_f, DOT_BF16, PREC)
+                dq_b, dk_b = _block_dqk(dP, b_q, b_k, G, in_blk, r, DOT_BF16, PREC)
+                dq += dq_b
+                dk += dk_b
             else:
                 dq, dk = _dqk_rows(dq, dk, dP, b_q, b_k, G, rows, blk * SB, blk * SB + SB)
     elif BLOCKED == 2:
         # mode 2 of _scores_slow: unrolled, unconditional products; a steep block's dP rows
-        # are masked out of them (its dk share) and its rows then redone one at a time
+        # are masked out of them (in_blk & ok: its dk share) and its rows then redone one at a time
         SB: tl.constexpr = 16 if BT > 16 else BT
         for blk in tl.static_range(BT // SB):
             in_blk, r, ok = _block_frame(G, rows, blk * SB, SB, BT)
-            dP_b = tl.where(in_blk[:, None], dP, 0.0) * ok.to(tl.float32)
-            dq += (tl.where(in_blk[:, None], tl.exp2(tl.minimum(G - r[None, :], 0.0)), 0.0)
-                   * _mm(dP_b, b_k * tl.exp2(tl.minimum(r[None, :] - G, _SAFE)), DOT_BF16, PREC))
-            q_f = tl.where(in_blk[:, None], b_q * tl.exp2(tl.minimum(G - r[None, :], 0.0)), 0.0)
-            dk += tl.exp2(tl.minimum(r[None, :] - G, _SAFE)) * _mm(tl.trans(dP_b), q_f, DOT_BF16, PREC)
+            dq_b, dk_b = _block_dqk(dP, b_q, b_k, G, in_blk & (ok != 0), r, DOT_BF16, PREC)
+            dq += dq_b
+            dk += dk_b
             if not ok:
                 dq, dk = _dqk_rows(dq, dk, dP, b_q, b_k, G, rows, blk * SB, blk * SB + SB)
     else:
