@@ -21,6 +21,8 @@
 #   bash benchmarks/run_gpu.sh next9         # GPU tests (pm map, packed docs), the recipe's steps timed
 #   bash benchmarks/run_gpu.sh next10        # GPU tests, slow path row by row vs 16-row blocks (kernels, step)
 #   bash benchmarks/run_gpu.sh next11        # slow_blocks 1's crash repeated, mode 2, their speed
+#       (NO_MEMCHECK=1 skips compute-sanitizer; session 10 ran it so: no sanitizer there)
+#   bash benchmarks/run_gpu.sh next12        # chunks of 32 vs 64: +norm rows, the 1B student step
 #   bash benchmarks/run_gpu.sh quality "NAME:OVERRIDES" ...  # GPU recipe runs, in turn
 #       (after the payload steps; call again to resume the unfinished ones)
 #   bash benchmarks/run_gpu.sh quality-par "NAME:OVERRIDES" ...  # the same at once, one GPU each
@@ -221,6 +223,7 @@ next11)     # session 9's first call: is slow_blocks=1's illegal memory access (
             # blocks unrolled, no matmul under a runtime branch) avoid it; then their speed
   nvidia-smi --query-gpu=name,driver_version --format=csv,noheader || true
   san=$(command -v compute-sanitizer || ls /usr/local/cuda*/bin/compute-sanitizer 2>/dev/null | head -1 || true)
+  [ -n "${NO_MEMCHECK:-}" ] && san=""   # memcheck can take minutes; skip it when time is short
   echo "compute-sanitizer: ${san:-none}"
   for sb in 0 1 2; do              # one process each: an illegal access poisons the context
     timeout 150 python3 -m pytest -q -p no:cacheprovider -m gpu \
@@ -248,6 +251,15 @@ next11)     # session 9's first call: is slow_blocks=1's illegal memory access (
       --option feature_map=hedgehog_pm --strong-gates 0.4 \
       --lora-targets q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj \
       --json "$OUT/recipe_step-strong-sb2.json" 2>&1 | tail -3 || true ;;
+next12)     # session 10's open question: what chunks of 32 (the new default at V <= 64) cost
+            # the normaliser rows and the 1B student step on weak (random) gates, against 64
+  for ov in "" BT=64; do
+    echo "### GLASWAP_GLA_OVERRIDES=$ov"
+    GLASWAP_GLA_OVERRIDES=$ov timeout 100 python3 benchmarks/bench_kernels.py --only glaswap \
+        --gates seed,trained --match "+norm" --match "gqa" 2>&1 | grep -E "^(shape|[0-9]+x|  CHECK)" || true
+    GLASWAP_GLA_OVERRIDES=$ov timeout 150 python3 benchmarks/bench_distill.py --shapes llama-3.2-1b \
+        --json "$OUT/distill-1b${ov:+-${ov/=/}}.json" 2>&1 | tail -7 || true
+  done ;;
 quality)    # runs of the GPU recipe, one after another (two processes sharing the GPU ran
             # 4-5x slower each: NOTES, session 4); each NAME:OVERRIDES gets runs/NAME and
             # LIMIT seconds; call again with the same specs to resume the unfinished ones.

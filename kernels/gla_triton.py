@@ -1276,9 +1276,17 @@ class _Config:
         self.stages_chunk = 1
         # Chunks whose decay rules out one factorisation: row by row (0), or 16-row blocks
         # with their products under a runtime branch in a loop (1) or unrolled (2).
-        # Off: mode 1 made trained gates 3-5x faster on the H200 but hit an illegal memory
-        # access there in 2 of 3 processes (NOTES, session 8); mode 2 not yet run on a GPU.
-        self.slow_blocks = 0
+        # Mode 1 hit an illegal memory access on one H200 (session 8, not seen again in
+        # session 10); mode 2 has no matmul under a runtime branch and ran clean. Trained
+        # gates, 8x2048 H32 D64 f+b: row by row 17.0 ms, mode 2 3.9; weak gates +2-8%.
+        self.slow_blocks = 2
+        # Chunks of 32 when the state is narrow: trained gates then mostly stay on the
+        # one-matmul path (a chunk of 32 factorises down to ~0.18 of the state kept a step,
+        # one of 64 only to ~0.42). H200 bf16, f+b with mode 2: 8x2048 H32 D64 trained gates
+        # 3.87 -> 1.19 ms, weak gates +1-12%; at D128 weak gates cost +51%, so not there.
+        # Set after the warp choices above, which stay those measured at chunks of 64.
+        if chunk is None and self.BT == 64 and V <= 64 and K <= 128:
+            self.BT = 32
         self.state_dtype = torch.bfloat16 if dtype == torch.bfloat16 else torch.float32
         for name, value in OVERRIDES.items():
             setattr(self, name, value)

@@ -286,13 +286,16 @@ def test_varlen_metadata_cached_per_tensor(monkeypatch):
 
 def test_segment_plan():
     """Segments only when the walks would leave SMs idle; 132 SMs assumed off-GPU."""
-    def plan(B, T, Hkv, K, seqs=None):
-        cfg = gla_triton._Config(B, T, Hkv, Hkv, K, K, B, torch.bfloat16, torch.device("cpu"))
+    def plan(B, T, Hkv, K, seqs=None, chunk=64):
+        cfg = gla_triton._Config(B, T, Hkv, Hkv, K, K, B, torch.bfloat16, torch.device("cpu"),
+                                 chunk=chunk)
         chunks = [-(-T // cfg.BT)] * B if seqs is None else [-(-n // cfg.BT) for n in seqs]
         return cfg.plan_segments(chunks, Hkv, seqs is not None, torch.device("cpu"))
     assert not plan(8, 2048, 32, 64).on                  # 256 walks already
     long = plan(1, 16384, 32, 64)                        # 32 walks of 256 chunks
     assert long.on and long.seg_len == 16 and long.n_seg == 16 and long.total == 16
+    default = plan(1, 16384, 32, 64, chunk=None)         # chunks of 32: 32 walks of 512
+    assert default.on and default.seg_len == 31 and default.n_seg == 17
     assert plan(1, 16384, 16, 128).total * 16 * 4 >= 4 * 132
     assert not plan(1, 300, 4, 64).on                    # too few chunks to cut
     few_heads = plan(1, 16384, 3, 64)                    # 3 walks: 64 segments of 4 chunks
@@ -573,6 +576,19 @@ def test_gpu_bf16(Hkv, D):
     _gpu_compare(B=2, T=4096, H=16, Hkv=Hkv, K=D, V=D)
 
 
+def test_default_chunk_length():
+    # chunks of 32 where the state is narrow (V <= 64, K <= 128), 64 elsewhere; short
+    # sequences keep their own power of two, and a forced chunk wins
+    def bt(T, K, V, chunk=None):
+        return gla_triton._Config(1, T, 4, 4, K, V, None, torch.bfloat16, torch.device("cpu"),
+                                  chunk=chunk).BT
+    assert bt(2048, 64, 64) == 32 and bt(2048, 128, 64) == 32 and bt(2048, 48, 48) == 32
+    assert bt(2048, 128, 128) == 64 and bt(2048, 64, 65) == 64 and bt(2048, 256, 64) == 64
+    assert bt(20, 64, 64) == 32 and bt(10, 64, 64) == 16 and bt(2048, 64, 64, chunk=64) == 64
+    assert gla_triton._Config(1, 64, 4, 4, 64, 64, None, torch.bfloat16,
+                              torch.device("cpu")).slow_blocks == 2
+
+
 @gpu
 @gpu_only
 @pytest.mark.parametrize("blocks", [0, 1, 2])
@@ -583,6 +599,16 @@ def test_gpu_bf16_slow_paths(monkeypatch, blocks):
     _gpu_compare(B=8, T=2048, H=32, Hkv=32, K=64, V=64)
     _gpu_compare(B=2, T=2048, H=32, Hkv=32, K=64, V=64, trained=True)
     _gpu_compare(B=2, T=2048, H=16, Hkv=4, K=128, V=64, trained=True)
+
+
+@gpu
+@gpu_only
+def test_gpu_bf16_chunk64_trained(monkeypatch):
+    # the default picks chunks of 32 at these widths; chunks of 64 send more of the
+    # trained gates down the blocked slow path (mode 2, the default), checked here
+    monkeypatch.setitem(gla_triton.OVERRIDES, "BT", 64)
+    _gpu_compare(B=2, T=2048, H=32, Hkv=32, K=64, V=64, trained=True)
+    _gpu_compare(B=2, T=2048, H=16, Hkv=4, K=128, V=64, trained=True, normalizer=True)
 
 
 @gpu
