@@ -12,8 +12,10 @@ Math per chunk of C tokens with start state h (K x V), G = in-chunk cumulative s
     h_next = e^{G_last} h + sum_j (k_j e^{G_last - G_j})^T v_j
 P is one tensor-core matmul of (q e^G)(k e^-G)^T when the chunk's total decay is below SAFE
 (every factor then fits the fp32/bf16 exponent range); otherwise ("slow path", strong decays)
-it is built row by row with every exponent clamped to <= 0. The choice is made per program
-and per K tile, so it is uniform inside a program.
+it is built in 16-row blocks, each factorised around its own first row, and a block still too
+steep row by row with every exponent clamped to <= 0 (see _scores_slow). The choice is made
+per program and per K tile, so it is uniform inside a program. C is 32 where the state is
+narrow (V <= 64, K <= 128) so that trained gates mostly stay on the one-matmul path, else 64.
 
 Kernels (grid in brackets; N = sequences, NT = chunks of a sequence, NTtot = all chunks,
 S = segments of all sequences):
