@@ -454,9 +454,14 @@ def ptxas_report(cases=PTXAS_CASES, arch=90, out=sys.stdout, layer_cases=PTXAS_L
             setattr(mod, name, obj)
         gla_triton._interpreting = saved_interp
 
-    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+    bin_dir = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+    ptxas = os.path.join(bin_dir, "ptxas")
     if not os.path.exists(ptxas):
         ptxas = shutil.which("ptxas")
+    # Triton 3.9 without a GPU writes PTX for its newest bundled assembler (PTX 9.4, CUDA
+    # 13), which the older `ptxas` beside it rejects ("Unsupported .version"): try both.
+    assemblers = [a for a in (ptxas, os.path.join(bin_dir, "ptxas-blackwell"))
+                  if a and os.path.exists(a)]
     target = GPUTarget("cuda", arch, 32)
     rows, seen = [], set()
     for fn, grid, args, kwargs in calls:
@@ -489,11 +494,14 @@ def ptxas_report(cases=PTXAS_CASES, arch=90, out=sys.stdout, layer_cases=PTXAS_L
         compiled = triton.compile(ASTSource(fn, signature, constexprs, attrs), target=target,
                                   options=options)
         regs = spills = None
-        if ptxas:
+        if assemblers:
             with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
                 f.write(compiled.asm["ptx"])
-            res = subprocess.run([ptxas, "-v", f"--gpu-name=sm_{arch}a", f.name, "-o", os.devnull],
-                                 capture_output=True, text=True)
+            for assembler in assemblers:
+                res = subprocess.run([assembler, "-v", f"--gpu-name=sm_{arch}a", f.name, "-o",
+                                      os.devnull], capture_output=True, text=True)
+                if res.returncode == 0:
+                    break
             os.unlink(f.name)
             m = re.search(r"Used (\d+) registers", res.stderr)
             regs = int(m.group(1)) if m else None

@@ -521,6 +521,9 @@ def test_kernels_compile_for_hopper():
                      "_bwd_dqkg_kernel", "_bwd_dv_kernel", "_recurrent_kernel", "_fm_fwd_kernel",
                      "_fm_bwd_kernel", "_normalize_fwd_kernel", "_normalize_bwd_kernel", "_gate_fwd_kernel",
                      "_gate_bwd_kernel"}, names
+    # ptxas assembled every kernel (Triton 3.9 writes PTX that only its newer bundled
+    # assembler accepts; a rejected file used to leave these empty without failing)
+    assert all(r["regs"] is not None for r in rows), [r for r in rows if r["regs"] is None][:2]
 
 
 # ---------------------------------------------------------------------------------------
