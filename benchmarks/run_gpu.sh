@@ -29,6 +29,14 @@
 # The payload (built on a CPU machine, see NOTES.md) holds the SmolLM2 GGUF, the token
 # files of benchmarks/prepare_corpus.py and wheels (gguf, flash-linear-attention, fla-core):
 # the GPU machine has no network. glaswap is not installed there: it runs from this folder.
+# Building it here (~3 minutes; session 10):
+#   GLASWAP_CACHE=... python benchmarks/prepare_corpus.py --root corpus/root --out W/data/smollm2
+#   mkdir -p W/payload/data W/payload/wheels; cp $GLASWAP_CACHE/smollm2-135m/*.gguf W/payload/
+#   cp W/data/smollm2.eval*.npz W/data/smollm2.json W/payload/data/
+#   xz -T2 -c W/data/smollm2.train.npz > W/payload/data/smollm2.train.npz.xz
+#   pip download --no-deps -d W/payload/wheels gguf flash-linear-attention==0.1.2 fla-core==0.6.0
+#   (cd W && tar cf - payload) | split -b 57m - /tmp/payload.part_
+#   mv /tmp/payload.part_aa .carry_a/; mv /tmp/payload.part_ab .carry_b/   (both in .git/info/exclude)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PK=/tmp/glaswap-pkgs
