@@ -486,6 +486,8 @@ def ptxas_report(cases=PTXAS_CASES, arch=90, out=sys.stdout, layer_cases=PTXAS_L
                 signature[param.name] = "fp32"
         options = {"num_warps": kwargs.get("num_warps", 4),
                    "num_stages": kwargs.get("num_stages", 3)}
+        if kwargs.get("maxnreg") is not None:
+            options["maxnreg"] = kwargs["maxnreg"]
         key = (fn.__name__, str(sorted(signature.items())), str(sorted(constexprs.items())),
                str(options))
         if key in seen:

@@ -23,6 +23,8 @@
 #   bash benchmarks/run_gpu.sh next11        # slow_blocks 1's crash repeated, mode 2, their speed
 #       (NO_MEMCHECK=1 skips compute-sanitizer; session 10 ran it so: no sanitizer there)
 #   bash benchmarks/run_gpu.sh next12        # chunks of 32 vs 64: +norm rows, the 1B student step
+#   bash benchmarks/run_gpu.sh next13        # next12, then per-kernel profiles at D128 (modes 2 and 0)
+#   bash benchmarks/run_gpu.sh regs          # per-kernel times under register caps (regs_*)
 #   bash benchmarks/run_gpu.sh quality "NAME:OVERRIDES" ...  # GPU recipe runs, in turn
 #       (after the payload steps; call again to resume the unfinished ones)
 #   bash benchmarks/run_gpu.sh quality-par "NAME:OVERRIDES" ...  # the same at once, one GPU each
@@ -267,6 +269,22 @@ next12)     # session 10's open question: what chunks of 32 (the new default at 
         --gates seed,trained --match "+norm" --match "gqa" 2>&1 | grep -E "^(shape|[0-9]+x|  CHECK)" || true
     GLASWAP_GLA_OVERRIDES=$ov timeout 150 python3 benchmarks/bench_distill.py --shapes llama-3.2-1b \
         --json "$OUT/distill-1b${ov:+-${ov/=/}}.json" 2>&1 | tail -7 || true
+  done ;;
+next13)     # next12, then where the time goes at D128 (the open seed target) per kernel,
+            # in mode 2 (the default) and mode 0
+  bash "$0" next12
+  for ov in "" "--set slow_blocks=0"; do
+    echo "### profile $ov"
+    timeout 90 python3 benchmarks/profile_kernels.py --no-sdpa --shape 8x2048:16:128 --shape 4x4096:16:128 \
+        --shape 4x4096:32:64 $ov 2>&1 | grep -E "^##|ms .*%" || true
+  done ;;
+regs)       # register caps (ptx .maxnreg) per kernel family: time per kernel, caps off and two
+            # mixed sets (each kernel's own time shows its cap's effect)
+  for ov in "" "--set regs_g=168 --set regs_seq=128 --set regs_o=168 --set regs_dv=168" \
+            "--set regs_g=128 --set regs_seq=168 --set regs_o=128 --set regs_dv=128"; do
+    echo "### profile $ov"
+    timeout 110 python3 benchmarks/profile_kernels.py --no-sdpa --shape 8x2048:32:64 --shape 4x4096:32:64 \
+        --shape 8x2048:16:128 --shape 1x16384:16:128 $ov 2>&1 | grep -E "^##|ms .*%" || true
   done ;;
 quality)    # runs of the GPU recipe, one after another (two processes sharing the GPU ran
             # 4-5x slower each: NOTES, session 4); each NAME:OVERRIDES gets runs/NAME and

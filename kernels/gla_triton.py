@@ -1276,6 +1276,10 @@ class _Config:
         self.warps_g = 8 if wide_tiles and not (self.dot_bf16 and K <= 64 and V <= 64) else 4
         self.warps_dv = self.warps_o
         self.stages_chunk = 1
+        # Register caps (ptx .maxnreg) per kernel family, None = the compiler's choice (255 at
+        # most). A cap trades spills for programs per SM: 4 warps at <= 168 registers fit 3
+        # programs on an SM instead of 2, 8 warps at <= 128 fit 2 instead of 1.
+        self.regs_seq = self.regs_o = self.regs_g = self.regs_dv = None
         # Chunks whose decay rules out one factorisation: row by row (0), or 16-row blocks
         # with their products under a runtime branch in a loop (1) or unrolled (2).
         # Mode 1 hit an illegal memory access on one H200 (session 8, not seen again in
@@ -1323,6 +1327,14 @@ class _Config:
         return seg
 
 
+def _opts(warps, stages, regs):
+    """Launch options; the register cap only when set (the interpreter takes no maxnreg)."""
+    opts = dict(num_warps=warps, num_stages=stages)
+    if regs is not None:
+        opts["maxnreg"] = int(regs)
+    return opts
+
+
 def _forward(q, k, v, g, scale, h0, want_ht, cu_seqlens, tiles, chunk, segment, normalizer):
     B, T, H, Hkv, K, V, N = _check(q, k, v, g, h0, cu_seqlens, chunked=True,
                                    normalizer=normalizer)
@@ -1353,14 +1365,15 @@ def _forward(q, k, v, g, scale, h0, want_ht, cu_seqlens, tiles, chunk, segment, 
         k, v, g, h0, ht, hbuf, dec, segend, cu, offsets, seg.indices, T, seg.seg_len, seg.n_seg,
         Hkv=Hkv, K=K, V=V, BT=cfg.BT, BK=cfg.BK_seq, BV=cfg.BV_seq,
         USE_H0=h0 is not None, STORE_HT=want_ht, SEGMENTED=seg.on, **common,
-        num_warps=cfg.warps_seq, num_stages=cfg.stages_seq)
+        **_opts(cfg.warps_seq, cfg.stages_seq, cfg.regs_seq))
     if seg.on:
         _chain_segments(cfg, seg, hbuf, dec, segend, ht, cu, offsets, indices, T, total, N,
                         Hkv, K, VS, reverse=False)
     _fwd_output_kernel[(total, Hkv)](
         q, k, v, g, o, hbuf, cu, offsets, indices, T, scale,
         H=H, Hkv=Hkv, K=K, V=V, BT=cfg.BT, BK=cfg.BK_o, BV=cfg.BV_o, NK=cfg.NK_o, NV=cfg.NV_o,
-        R=R, SLOW_BLOCKS=cfg.slow_blocks, **common, num_warps=cfg.warps_o, num_stages=cfg.stages_chunk)
+        R=R, SLOW_BLOCKS=cfg.slow_blocks, **common,
+        **_opts(cfg.warps_o, cfg.stages_chunk, cfg.regs_o))
     meta = (cfg, cu, offsets, indices, total, N, seg, bool(normalizer))
     return o, ht, hbuf, meta
 
@@ -1412,20 +1425,21 @@ def _backward(q, k, v, g, scale, hbuf, meta, do, dht, want_dh0):
         seg.n_seg, scale,
         H=H, Hkv=Hkv, K=K, V=V, BT=cfg.BT, BK=cfg.BK_seq, BV=cfg.BV_seq, R=R,
         USE_DHT=dht is not None, STORE_DH0=want_dh0, SEGMENTED=seg.on, **common,
-        num_warps=cfg.warps_seq, num_stages=cfg.stages_seq)
+        **_opts(cfg.warps_seq, cfg.stages_seq, cfg.regs_seq))
     if seg.on:
         _chain_segments(cfg, seg, dhbuf, dec, segend, dh0, cu, offsets, indices, T, total, N,
                         Hkv, K, VS, reverse=True)
     _bwd_dqkg_kernel[(cfg.NK_g, total, Hkv)](
         q, k, v, g, do, hbuf, dhbuf, dq, dk, dg, dv, cu, offsets, indices, T, scale,
         H=H, Hkv=Hkv, K=K, V=V, BT=cfg.BT, BK=cfg.BK_g, BV=cfg.BV_g, NV=cfg.NV_g, R=R,
-        WITH_DV=cfg.merge_dv, SLOW_BLOCKS=cfg.slow_blocks, **common, num_warps=cfg.warps_g,
-        num_stages=cfg.stages_chunk)
+        WITH_DV=cfg.merge_dv, SLOW_BLOCKS=cfg.slow_blocks, **common,
+        **_opts(cfg.warps_g, cfg.stages_chunk, cfg.regs_g))
     if not cfg.merge_dv:
         _bwd_dv_kernel[(cfg.NV_o, total, Hkv)](
             q, k, g, do, dhbuf, dv, cu, offsets, indices, T, scale,
             H=H, Hkv=Hkv, K=K, V=V, BT=cfg.BT, BK=cfg.BK_o, BV=cfg.BV_o, NK=cfg.NK_o, R=R,
-            SLOW_BLOCKS=cfg.slow_blocks, **common, num_warps=cfg.warps_dv, num_stages=cfg.stages_chunk)
+            SLOW_BLOCKS=cfg.slow_blocks, **common,
+            **_opts(cfg.warps_dv, cfg.stages_chunk, cfg.regs_dv))
     return dq, dk, dv, dg, dh0
 
 

@@ -526,6 +526,30 @@ def test_kernels_compile_for_hopper():
     assert all(r["regs"] is not None for r in rows), [r for r in rows if r["regs"] is None][:2]
 
 
+
+@pytest.mark.slow
+def test_register_cap_reaches_the_compiler():
+    """`regs_g` (a _Config override for tuning) becomes the ptx .maxnreg of the dq/dk/dg
+    launch only: ptxas then holds that kernel to the cap, the others keep their own counts."""
+    import json
+    import subprocess
+    bench_dir = os.path.join(os.path.dirname(HERE), "benchmarks")
+    cases = [("bf16", 1, 256, 2, 2, 64, 64, None)]
+    code = ("import sys, json; sys.path.insert(0, %r); import bench_kernels as b; "
+            "_, g = b._import_kernels(); g.OVERRIDES['regs_g'] = 96; "
+            "rows = b.ptxas_report(%r, layer_cases=[]); print('ROWS', json.dumps(rows))"
+            % (bench_dir, cases))
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
+                         timeout=900)
+    assert res.returncode == 0, res.stderr[-4000:]
+    rows = {r["kernel"]: r for r in json.loads(res.stdout.split("ROWS ", 1)[1])}
+    assert rows["_bwd_dqkg_kernel"].get("maxnreg") == 96
+    assert rows["_bwd_dqkg_kernel"]["regs"] <= 96
+    assert "maxnreg" not in rows["_fwd_output_kernel"]
+    assert rows["_fwd_output_kernel"]["regs"] > 96     # uncapped: 128 registers (ptxas, sm_90)
+
 # ---------------------------------------------------------------------------------------
 # GPU: real sizes, bf16 (skipped without CUDA)
 # ---------------------------------------------------------------------------------------
