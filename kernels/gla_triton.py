@@ -1278,7 +1278,9 @@ class _Config:
         self.stages_chunk = 1
         # Register caps (ptx .maxnreg) per kernel family, None = the compiler's choice (255 at
         # most). A cap trades spills for programs per SM: 4 warps at <= 168 registers fit 3
-        # programs on an SM instead of 2, 8 warps at <= 128 fit 2 instead of 1.
+        # programs on an SM instead of 2, 8 warps at <= 128 fit 2 instead of 1. None is set:
+        # on the H200 every cap tried was slower (session 11: state pass at D128 0.28 -> 0.66 ms
+        # at 128 registers; the best, dq/dk/dg at D128, -2%).
         self.regs_seq = self.regs_o = self.regs_g = self.regs_dv = None
         # Chunks whose decay rules out one factorisation: row by row (0), or 16-row blocks
         # with their products under a runtime branch in a loop (1) or unrolled (2).

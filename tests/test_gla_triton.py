@@ -494,28 +494,35 @@ def test_module_is_self_contained():
     assert "import glaswap\n" not in src and "from glaswap " not in src and "from glaswap." not in src
 
 
-@pytest.mark.slow
-def test_kernels_compile_for_hopper():
-    """The interpreter never compiles: build every kernel launch of a few configurations for
-    sm_90 with Triton + ptxas (no GPU needed), which catches type and layout errors that only
-    the compiler sees. Runs in a subprocess because TRITON_INTERPRET must be unset there."""
+def _compile_report(cases, layer_cases, overrides=None):
+    """bench_kernels.ptxas_report's rows for these cases (with _Config overrides), from a
+    subprocess: TRITON_INTERPRET must be unset there."""
     import json
     import subprocess
     bench_dir = os.path.join(os.path.dirname(HERE), "benchmarks")
-    cases = [("bf16", 1, 512, 4, 2, 64, 64, [100, 300, 112]),
-             ("fp32", 1, 512, 4, 4, 80, 65, None),
-             ("fp16", 1, 256, 2, 2, 256, 257, None),
-             ("bf16", 1, 8192, 4, 2, 64, 64, [5000, 3192], True)]      # segmented, normaliser
-    layer_cases = [("bf16", 128, 4, 64, True), ("fp32", 128, 2, 48, False)]   # feature map, normaliser, gate
     code = ("import sys, json; sys.path.insert(0, %r); import bench_kernels as b; "
+            "_, g = b._import_kernels(); g.OVERRIDES.update(%r); "
             "rows = b.ptxas_report(%r, layer_cases=%r); print('ROWS', json.dumps(rows))"
-            % (bench_dir, cases, layer_cases))
+            % (bench_dir, overrides or {}, cases, layer_cases))
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
                          timeout=900)
     assert res.returncode == 0, res.stderr[-4000:]
-    rows = json.loads(res.stdout.split("ROWS ", 1)[1])
+    return json.loads(res.stdout.split("ROWS ", 1)[1])
+
+
+@pytest.mark.slow
+def test_kernels_compile_for_hopper():
+    """The interpreter never compiles: build every kernel launch of a few configurations for
+    sm_90 with Triton + ptxas (no GPU needed), which catches type and layout errors that only
+    the compiler sees."""
+    cases = [("bf16", 1, 512, 4, 2, 64, 64, [100, 300, 112]),
+             ("fp32", 1, 512, 4, 4, 80, 65, None),
+             ("fp16", 1, 256, 2, 2, 256, 257, None),
+             ("bf16", 1, 8192, 4, 2, 64, 64, [5000, 3192], True)]      # segmented, normaliser
+    layer_cases = [("bf16", 128, 4, 64, True), ("fp32", 128, 2, 48, False)]   # feature map, normaliser, gate
+    rows = _compile_report(cases, layer_cases)
     names = {r["kernel"] for r in rows}
     assert names >= {"_fwd_state_kernel", "_fwd_output_kernel", "_bwd_dh_kernel",
                      "_bwd_dqkg_kernel", "_bwd_dv_kernel", "_recurrent_kernel", "_fm_fwd_kernel",
@@ -526,29 +533,17 @@ def test_kernels_compile_for_hopper():
     assert all(r["regs"] is not None for r in rows), [r for r in rows if r["regs"] is None][:2]
 
 
-
 @pytest.mark.slow
 def test_register_cap_reaches_the_compiler():
     """`regs_g` (a _Config override for tuning) becomes the ptx .maxnreg of the dq/dk/dg
     launch only: ptxas then holds that kernel to the cap, the others keep their own counts."""
-    import json
-    import subprocess
-    bench_dir = os.path.join(os.path.dirname(HERE), "benchmarks")
-    cases = [("bf16", 1, 256, 2, 2, 64, 64, None)]
-    code = ("import sys, json; sys.path.insert(0, %r); import bench_kernels as b; "
-            "_, g = b._import_kernels(); g.OVERRIDES['regs_g'] = 96; "
-            "rows = b.ptxas_report(%r, layer_cases=[]); print('ROWS', json.dumps(rows))"
-            % (bench_dir, cases))
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
-    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
-                         timeout=900)
-    assert res.returncode == 0, res.stderr[-4000:]
-    rows = {r["kernel"]: r for r in json.loads(res.stdout.split("ROWS ", 1)[1])}
+    rows = _compile_report([("bf16", 1, 256, 2, 2, 64, 64, None)], [], {"regs_g": 96})
+    rows = {r["kernel"]: r for r in rows}
     assert rows["_bwd_dqkg_kernel"].get("maxnreg") == 96
     assert rows["_bwd_dqkg_kernel"]["regs"] <= 96
     assert "maxnreg" not in rows["_fwd_output_kernel"]
     assert rows["_fwd_output_kernel"]["regs"] > 96     # uncapped: 128 registers (ptxas, sm_90)
+
 
 # ---------------------------------------------------------------------------------------
 # GPU: real sizes, bf16 (skipped without CUDA)
