@@ -8,7 +8,8 @@ medians of bench_kernels.py.
 
     python benchmarks/profile_kernels.py                    # 6 shapes
     python benchmarks/profile_kernels.py --shape 8x2048:32:64 --set BT=128
-    python benchmarks/profile_kernels.py --no-sdpa --shape 1x16384:9/3:64x65   # SmolLM2 + normaliser
+    python benchmarks/profile_kernels.py --no-sdpa --shape 1x16384:9/3:64x65   # SmolLM2, K != V
+    python benchmarks/profile_kernels.py --no-sdpa --shape 8x2048:32:64+norm   # in-kernel normaliser
     python benchmarks/profile_kernels.py --ncu              # one iteration per shape, for
         ncu --clock-control none -k regex:_kernel python benchmarks/profile_kernels.py --ncu
 """
@@ -34,14 +35,18 @@ DEFAULT_SHAPES = ["8x2048:32:64", "2x8192:32:64", "1x16384:32:64",
 
 
 def parse_shape(text: str) -> dict:
-    """'BxT:H:D', 'BxT:H/Hkv:D' or with K != V 'BxT:H/Hkv:KxV' (e.g. 1x16384:9/3:64x65)."""
-    bt, h, d = text.split(":")
+    """'BxT:H:D', 'BxT:H/Hkv:D' or with K != V 'BxT:H/Hkv:KxV' (e.g. 1x16384:9/3:64x65);
+    a '+norm' suffix turns the in-kernel normaliser on (e.g. 8x2048:32:64+norm)."""
+    body, plus, flag = text.partition("+")
+    if plus and flag != "norm":
+        raise SystemExit(f"unknown shape suffix +{flag} in {text!r}: only +norm is known")
+    bt, h, d = body.split(":")
     B, T = (int(x) for x in bt.split("x"))
     H, _, Hkv = h.partition("/")
     H = int(H)
     Hkv = int(Hkv) if Hkv else H
     K, _, V = d.partition("x")
-    return dict(name=text, B=B, T=T, H=H, Hkv=Hkv, K=int(K), V=int(V or K), seqs=None)
+    return dict(name=text, B=B, T=T, H=H, Hkv=Hkv, K=int(K), V=int(V or K), seqs=None, norm=bool(plus))
 
 
 def _device_time(evt) -> float:
@@ -78,7 +83,7 @@ def glaswap_fn(s, gla_triton):
 
     def run():
         q, k, v, g, do = nxt()
-        o, _ = gla_triton.fused_chunk_gla(q, k, v, g, cu_seqlens=cu)
+        o, _ = gla_triton.fused_chunk_gla(q, k, v, g, cu_seqlens=cu, normalizer=s["norm"])
         torch.autograd.grad(o, (q, k, v, g), do)
     return run
 
@@ -135,7 +140,7 @@ def main(argv=None):
             continue
         res = {"glaswap": profile(run, args.iters)}
         g_total = show(f"glaswap {text} {gla_triton.OVERRIDES or ''}", res["glaswap"])
-        if not args.no_sdpa and s["K"] == s["V"]:
+        if not args.no_sdpa and s["K"] == s["V"] and not s["norm"]:
             res["sdpa"] = profile(sdpa_fn(s), args.iters)
             s_total = show(f"sdpa flash {text}", res["sdpa"])
             print(f"  kernel-time ratio sdpa/glaswap: {s_total / g_total:.2f}")

@@ -25,6 +25,7 @@
 #   bash benchmarks/run_gpu.sh next12        # chunks of 32 vs 64: +norm rows, the 1B student step
 #   bash benchmarks/run_gpu.sh next13        # next12, then per-kernel profiles at D128 (modes 2 and 0)
 #   bash benchmarks/run_gpu.sh regs          # per-kernel times under register caps (regs_*)
+#   bash benchmarks/run_gpu.sh next14        # launch settings re-swept at chunks of 32 (D64), per kernel
 #   bash benchmarks/run_gpu.sh quality "NAME:OVERRIDES" ...  # GPU recipe runs, in turn
 #       (after the payload steps; call again to resume the unfinished ones)
 #   bash benchmarks/run_gpu.sh quality-par "NAME:OVERRIDES" ...  # the same at once, one GPU each
@@ -285,6 +286,17 @@ regs)       # register caps (ptx .maxnreg) per kernel family: time per kernel, c
     echo "### profile $ov"
     timeout 110 python3 benchmarks/profile_kernels.py --no-sdpa --shape 8x2048:32:64 --shape 4x4096:32:64 \
         --shape 8x2048:16:128 --shape 1x16384:16:128 $ov 2>&1 | grep -E "^##|ms .*%" || true
+  done ;;
+next14)     # session 12: the warps and pipeline stages were chosen at chunks of 64 and kept
+            # when chunks of 32 became the default at V <= 64 (session 10); per-kernel times
+            # of orthogonal variants (each family has its own knob), and the +norm rows at
+            # chunks of 64 against 32 kernel by kernel (+23% / +9% unexplained, session 11)
+  for ov in "" "--set BT=64" "--set warps_g=8 --set warps_o=8 --set warps_seq=8" \
+            "--set warps_g=2 --set warps_o=2 --set warps_seq=2" "--set stages_seq=3 --set stages_chunk=2" \
+            "--set stages_seq=1 --set seg_programs=1056"; do
+    echo "### profile $ov"
+    timeout 100 python3 benchmarks/profile_kernels.py --no-sdpa --shape 8x2048:32:64 --shape 4x4096:32:64 \
+        --shape 8x2048:32:64+norm --shape 1x16384:32/8:64+norm $ov 2>&1 | grep -E "^##|ms .*%|Error" || true
   done ;;
 quality)    # runs of the GPU recipe, one after another (two processes sharing the GPU ran
             # 4-5x slower each: NOTES, session 4); each NAME:OVERRIDES gets runs/NAME and
