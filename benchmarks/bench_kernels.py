@@ -509,14 +509,22 @@ def ptxas_report(cases=PTXAS_CASES, arch=90, out=sys.stdout, layer_cases=PTXAS_L
             regs = int(m.group(1)) if m else None
             m = re.search(r"(\d+) bytes spill stores", res.stderr)
             spills = int(m.group(1)) if m else None
+        # global loads by vector width (1, 2, 4 registers): scalar loads of a tile mean its
+        # rows were not provably 16-byte aligned (e.g. an odd row stride)
+        ptx = compiled.asm["ptx"]
+        loads = {w: len(re.findall(r"\bld\.global%s[.a-z0-9]*\s" % ("" if w == 1 else rf"(?:\.[a-z]+)*\.v{w}"), ptx))
+                 for w in (2, 4)}
+        loads[1] = len(re.findall(r"\bld\.global[.a-z0-9]*\s", ptx)) - loads[2] - loads[4]
         shown = {k: v for k, v in constexprs.items()
                  if k in ("K", "V", "BT", "BK", "BV", "R", "NK", "NV", "WITH_DV", "IS_VARLEN",
                           "DOT_BF16", "NORM", "SEGMENTED", "D", "PM", "DW_MODE")}
         row = dict(kernel=fn.__name__, grid=str(grid), regs=regs, spill_bytes=spills,
-                   smem=compiled.metadata.shared, **options, **shown)
+                   smem=compiled.metadata.shared, loads_x1=loads[1], loads_x2=loads[2],
+                   loads_x4=loads[4], **options, **shown)
         rows.append(row)
         print(f"{fn.__name__:20s} warps={options['num_warps']} stages={options['num_stages']} "
-              f"regs={regs} spill={spills} smem={row['smem']:6d}  {shown}", file=out)
+              f"regs={regs} spill={spills} smem={row['smem']:6d} "
+              f"ld x1/x2/x4={loads[1]}/{loads[2]}/{loads[4]}  {shown}", file=out)
     return rows
 
 

@@ -158,7 +158,8 @@ def _store_rows(ptr, x, t0, n_valid, stride_t, c0, n_cols, BT: tl.constexpr, BC:
 def _load_state(ptr, k0, v0, K: tl.constexpr, V: tl.constexpr, VS: tl.constexpr,
                 BK: tl.constexpr, BV: tl.constexpr):
     """[BK, BV] tile of the first V columns of a row-major K x VS state at ptr, as fp32
-    (VS = V + 1 with the in-kernel normaliser: column V holds its state)."""
+    (with the in-kernel normaliser column V holds its state, and VS >= V + 1 is the row
+    stride: the internal state buffers pad it, see _state_stride)."""
     rk = k0 + tl.arange(0, BK)
     rv = v0 + tl.arange(0, BV)
     mask = (rk < K)[:, None] & (rv < V)[None, :]
@@ -434,8 +435,8 @@ def _store_dec(dec, slot, i_h, x, k0, Hkv: tl.constexpr, K: tl.constexpr, BK: tl
 def _fwd_state_kernel(k, v, g, h0, ht, hbuf, dec, segend, cu_seqlens, chunk_offsets, seg_indices,
                       T, seg_len, n_seg,
                       Hkv: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-                      VS: tl.constexpr, VO: tl.constexpr, NORM: tl.constexpr, BT: tl.constexpr,
-                      BK: tl.constexpr, BV: tl.constexpr, USE_H0: tl.constexpr,
+                      VS: tl.constexpr, VO: tl.constexpr, VU: tl.constexpr, NORM: tl.constexpr,
+                      BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, USE_H0: tl.constexpr,
                       STORE_HT: tl.constexpr, IS_VARLEN: tl.constexpr, SEGMENTED: tl.constexpr,
                       DOT_BF16: tl.constexpr, PREC: tl.constexpr):
     """Sequential over the chunks of one sequence (or of one segment of seg_len chunks), for
@@ -461,14 +462,14 @@ def _fwd_state_kernel(k, v, g, h0, ht, hbuf, dec, segend, cu_seqlens, chunk_offs
     b_h = tl.zeros([BK, BV], dtype=tl.float32)
     if USE_H0:
         if i_s == 0:
-            b_h += _load_state(h0 + i_nh.to(tl.int64) * K * VS, k0, v0, K, V, VS, BK, BV)
+            b_h += _load_state(h0 + i_nh.to(tl.int64) * K * VU, k0, v0, K, V, VU, BK, BV)
     # NORM: the normaliser's state z (column V: v's implicit column of ones), carried by
     # the V-tile-0 programs; z_next = 2^{G_last} z + sum_j k_j 2^{G_last - G_j}
     b_z = tl.zeros([BK], dtype=tl.float32)
     if NORM:
         if USE_H0:
             if i_s == 0:
-                b_z += _load_col(h0 + i_nh.to(tl.int64) * K * VS, k0, K, V, VS, BK)
+                b_z += _load_col(h0 + i_nh.to(tl.int64) * K * VU, k0, K, V, VU, BK)
     b_d = tl.zeros([BK], dtype=tl.float32)                 # log2 decay since t_first
     kp = k + i_h * K
     gp = g + i_h * K
@@ -514,18 +515,19 @@ def _fwd_state_kernel(k, v, g, h0, ht, hbuf, dec, segend, cu_seqlens, chunk_offs
         hp = hbuf + ((c0 + i_n + NT) * Hkv + i_h) * K * VS
         _store_state(hp, b_h, k0, v0, K, V, VS, BK, BV)
         if STORE_HT:
-            _store_state(ht + i_nh.to(tl.int64) * K * VS, b_h, k0, v0, K, V, VS, BK, BV)
+            _store_state(ht + i_nh.to(tl.int64) * K * VU, b_h, k0, v0, K, V, VU, BK, BV)
         if NORM:
             if i_v == 0:
                 _store_col(hp, b_z, k0, K, V, VS, BK)
                 if STORE_HT:
-                    _store_col(ht + i_nh.to(tl.int64) * K * VS, b_z, k0, K, V, VS, BK)
+                    _store_col(ht + i_nh.to(tl.int64) * K * VU, b_z, k0, K, V, VU, BK)
 
 
 @triton.jit
 def _seg_combine_kernel(buf, dec, segend, hfinal, cu_seqlens, chunk_offsets, seg_offsets, T,
                         seg_len, n_seg,
-                        Hkv: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
+                        Hkv: tl.constexpr, K: tl.constexpr, V: tl.constexpr, VS: tl.constexpr,
+                        VU: tl.constexpr, BT: tl.constexpr,
                         BK: tl.constexpr, BV: tl.constexpr, REVERSE: tl.constexpr,
                         STORE_FINAL: tl.constexpr, IS_VARLEN: tl.constexpr):
     """Chains the segments of one sequence (one K tile, V tile, KV head): a walk over the
@@ -533,7 +535,9 @@ def _seg_combine_kernel(buf, dec, segend, hfinal, cu_seqlens, chunk_offsets, seg
     segend_s + 2^{dec[end_s]} * (true state at its start), written to buf at end_s (the
     first segment started from h0, so its end is already true); the last one is ht.
     REVERSE (dh pass): the same from the last segment down, written at each segment's first
-    slot; the first segment's start is dh0."""
+    slot; the first segment's start is dh0.
+    V: the state columns handled (with the normaliser's); VS: the row stride of buf and
+    segend (padded), VU: that of hfinal (the caller's [.., K, V])."""
     i_k = tl.program_id(0)
     i_v = tl.program_id(1)
     i_nh = tl.program_id(2)
@@ -553,33 +557,34 @@ def _seg_combine_kernel(buf, dec, segend, hfinal, cu_seqlens, chunk_offsets, seg
     mk = rk < K
     base = c0 + i_n
     if REVERSE:
-        b_h = _load_state(segend + ((s0 + S - 1) * Hkv + i_h).to(tl.int64) * K * V,
-                          k0, v0, K, V, V, BK, BV)
+        b_h = _load_state(segend + ((s0 + S - 1) * Hkv + i_h).to(tl.int64) * K * VS,
+                          k0, v0, K, V, VS, BK, BV)
         slot = base + (S - 1) * seg_len
-        _store_state(buf + (slot * Hkv + i_h) * K * V, b_h, k0, v0, K, V, V, BK, BV)
+        _store_state(buf + (slot * Hkv + i_h) * K * VS, b_h, k0, v0, K, V, VS, BK, BV)
         for i in range(1, S):
             slot = base + (S - 1 - i) * seg_len
             a = tl.exp2(tl.load(dec + (slot * Hkv + i_h) * K + rk, mask=mk, other=0.0))
-            sp = segend + ((s0 + S - 1 - i) * Hkv + i_h).to(tl.int64) * K * V
-            b_h = a[:, None] * b_h + _load_state(sp, k0, v0, K, V, V, BK, BV)
-            _store_state(buf + (slot * Hkv + i_h) * K * V, b_h, k0, v0, K, V, V, BK, BV)
+            sp = segend + ((s0 + S - 1 - i) * Hkv + i_h).to(tl.int64) * K * VS
+            b_h = a[:, None] * b_h + _load_state(sp, k0, v0, K, V, VS, BK, BV)
+            _store_state(buf + (slot * Hkv + i_h) * K * VS, b_h, k0, v0, K, V, VS, BK, BV)
     else:
-        b_h = _load_state(segend + (s0 * Hkv + i_h).to(tl.int64) * K * V, k0, v0, K, V, V, BK, BV)
+        b_h = _load_state(segend + (s0 * Hkv + i_h).to(tl.int64) * K * VS, k0, v0, K, V, VS, BK, BV)
         slot = base + tl.minimum(NT, seg_len)
-        _store_state(buf + (slot * Hkv + i_h) * K * V, b_h, k0, v0, K, V, V, BK, BV)
+        _store_state(buf + (slot * Hkv + i_h) * K * VS, b_h, k0, v0, K, V, VS, BK, BV)
         for s in range(1, S):
             slot = base + tl.minimum(NT, (s + 1) * seg_len)
             a = tl.exp2(tl.load(dec + (slot * Hkv + i_h) * K + rk, mask=mk, other=0.0))
             b_h = a[:, None] * b_h + _load_state(
-                segend + ((s0 + s) * Hkv + i_h).to(tl.int64) * K * V, k0, v0, K, V, V, BK, BV)
-            _store_state(buf + (slot * Hkv + i_h) * K * V, b_h, k0, v0, K, V, V, BK, BV)
+                segend + ((s0 + s) * Hkv + i_h).to(tl.int64) * K * VS, k0, v0, K, V, VS, BK, BV)
+            _store_state(buf + (slot * Hkv + i_h) * K * VS, b_h, k0, v0, K, V, VS, BK, BV)
     if STORE_FINAL:
-        _store_state(hfinal + i_nh.to(tl.int64) * K * V, b_h, k0, v0, K, V, V, BK, BV)
+        _store_state(hfinal + i_nh.to(tl.int64) * K * VU, b_h, k0, v0, K, V, VU, BK, BV)
 
 
 @triton.jit
 def _seg_fixup_kernel(buf, dec, cu_seqlens, chunk_offsets, chunk_indices, T, seg_len,
-                      Hkv: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
+                      Hkv: tl.constexpr, K: tl.constexpr, V: tl.constexpr, VS: tl.constexpr,
+                      BT: tl.constexpr,
                       BK: tl.constexpr, BV: tl.constexpr, NK: tl.constexpr, NV: tl.constexpr,
                       REVERSE: tl.constexpr, IS_VARLEN: tl.constexpr):
     """Turns the local state of one chunk slot into the true one, all chunks in parallel:
@@ -607,11 +612,11 @@ def _seg_fixup_kernel(buf, dec, cu_seqlens, chunk_offsets, chunk_indices, T, seg
             rk = i_k * BK + tl.arange(0, BK)
             a = tl.exp2(tl.load(dec + (slot * Hkv + i_h) * K + rk, mask=rk < K, other=0.0))
             for i_v in range(NV):
-                sp = buf + (slot * Hkv + i_h) * K * V
-                ap = buf + (aslot * Hkv + i_h) * K * V
-                x = (_load_state(sp, i_k * BK, i_v * BV, K, V, V, BK, BV)
-                     + a[:, None] * _load_state(ap, i_k * BK, i_v * BV, K, V, V, BK, BV))
-                _store_state(sp, x, i_k * BK, i_v * BV, K, V, V, BK, BV)
+                sp = buf + (slot * Hkv + i_h) * K * VS
+                ap = buf + (aslot * Hkv + i_h) * K * VS
+                x = (_load_state(sp, i_k * BK, i_v * BV, K, V, VS, BK, BV)
+                     + a[:, None] * _load_state(ap, i_k * BK, i_v * BV, K, V, VS, BK, BV))
+                _store_state(sp, x, i_k * BK, i_v * BV, K, V, VS, BK, BV)
 
 
 @triton.jit
@@ -703,7 +708,7 @@ def _fwd_output_kernel(q, k, v, g, o, hbuf, cu_seqlens, chunk_offsets, chunk_ind
 def _bwd_dh_kernel(q, g, do, dht, dh0, dhbuf, dec, segend, cu_seqlens, chunk_offsets, seg_indices,
                    T, seg_len, n_seg, scale,
                    H: tl.constexpr, Hkv: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-                   VS: tl.constexpr, VO: tl.constexpr, NORM: tl.constexpr,
+                   VS: tl.constexpr, VO: tl.constexpr, VU: tl.constexpr, NORM: tl.constexpr,
                    BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, R: tl.constexpr,
                    USE_DHT: tl.constexpr, STORE_DH0: tl.constexpr, IS_VARLEN: tl.constexpr,
                    SEGMENTED: tl.constexpr, DOT_BF16: tl.constexpr, PREC: tl.constexpr):
@@ -728,12 +733,12 @@ def _bwd_dh_kernel(q, g, do, dht, dh0, dhbuf, dec, segend, cu_seqlens, chunk_off
     b_dh = tl.zeros([BK, BV], dtype=tl.float32)
     if USE_DHT:
         if last:
-            b_dh += _load_state(dht + i_nh.to(tl.int64) * K * VS, k0, v0, K, V, VS, BK, BV)
+            b_dh += _load_state(dht + i_nh.to(tl.int64) * K * VU, k0, v0, K, V, VU, BK, BV)
     b_dz = tl.zeros([BK], dtype=tl.float32)
     if NORM:
         if USE_DHT:
             if last:
-                b_dz += _load_col(dht + i_nh.to(tl.int64) * K * VS, k0, K, V, VS, BK)
+                b_dz += _load_col(dht + i_nh.to(tl.int64) * K * VU, k0, K, V, VU, BK)
     if last:
         hp = dhbuf + ((c0 + i_n + NT) * Hkv + i_h) * K * VS
         _store_state(hp, b_dh, k0, v0, K, V, VS, BK, BV)
@@ -804,11 +809,11 @@ def _bwd_dh_kernel(q, g, do, dht, dh0, dhbuf, dec, segend, cu_seqlens, chunk_off
             if i_v == 0:
                 _store_col(fp, b_dz, k0, K, V, VS, BK)
     elif STORE_DH0:
-        fp = dh0 + i_nh.to(tl.int64) * K * VS
-        _store_state(fp, b_dh, k0, v0, K, V, VS, BK, BV)
+        fp = dh0 + i_nh.to(tl.int64) * K * VU
+        _store_state(fp, b_dh, k0, v0, K, V, VU, BK, BV)
         if NORM:
             if i_v == 0:
-                _store_col(fp, b_dz, k0, K, V, VS, BK)
+                _store_col(fp, b_dz, k0, K, V, VU, BK)
 
 
 @triton.jit
@@ -1295,6 +1300,15 @@ class _Config:
         # Set after the warp choices above, which stay those measured at chunks of 64.
         if chunk is None and self.BT == 64 and V <= 64 and K <= 128:
             self.BT = 32
+            # Re-swept at chunks of 32 (H200, session 12, kernel ms): the output kernel's
+            # [32, 64] tiles run faster on 2 warps (8x2048 H32 D64 0.199 -> 0.151, GQA +norm
+            # 1x16384 0.214 -> 0.148); so does dq/dk/dg with K tiles of 32 (GQA + normaliser:
+            # 0.649 -> 0.472), but not with K tiles of 64 (0.699 -> 0.783). K = 128 and
+            # fp16/fp32 were not measured, nor the dv kernel on 2 warps: they keep the above.
+            if self.dot_bf16 and K <= 64:
+                self.warps_o = 2
+            if self.dot_bf16 and self.BK_g == 32:
+                self.warps_g = 2
         self.state_dtype = torch.bfloat16 if dtype == torch.bfloat16 else torch.float32
         for name, value in OVERRIDES.items():
             setattr(self, name, value)
@@ -1340,7 +1354,8 @@ def _opts(warps, stages, regs):
 def _forward(q, k, v, g, scale, h0, want_ht, cu_seqlens, tiles, chunk, segment, normalizer):
     B, T, H, Hkv, K, V, N = _check(q, k, v, g, h0, cu_seqlens, chunked=True,
                                    normalizer=normalizer)
-    VS = V + int(normalizer)                        # state columns (z last) and o's columns
+    VU = V + int(normalizer)                        # state columns (z last) and o's columns
+    VS = _state_stride(V, normalizer)               # row stride of the internal state buffers
     cfg = _Config(B, T, H, Hkv, K, V, N, q.dtype, q.device, tiles, chunk, normalizer=bool(normalizer))
     if segment is not None:                         # private: force the segment length (tests)
         cfg.seg_len = int(segment)
@@ -1358,19 +1373,19 @@ def _forward(q, k, v, g, scale, h0, want_ht, cu_seqlens, tiles, chunk, segment, 
     if h0 is not None:
         h0 = h0.contiguous()
     hbuf = _new((n_entries, Hkv, K, VS), cfg.state_dtype, q.device)
-    ht = _new((N, Hkv, K, VS), torch.float32, q.device) if want_ht else None
-    o = _new((B, T, H, VS), q.dtype, q.device)
+    ht = _new((N, Hkv, K, VU), torch.float32, q.device) if want_ht else None
+    o = _new((B, T, H, VU), q.dtype, q.device)
     common = dict(IS_VARLEN=cu is not None, DOT_BF16=cfg.dot_bf16, PREC=cfg.prec,
-                  VS=VS, VO=VS, NORM=bool(normalizer))
+                  VS=VS, VO=VU, NORM=bool(normalizer))
     dec, segend = _segment_buffers(seg, n_entries, Hkv, K, VS, q.device)
     _fwd_state_kernel[(cfg.NK_seq, cfg.NV_seq, seg.total * Hkv)](
         k, v, g, h0, ht, hbuf, dec, segend, cu, offsets, seg.indices, T, seg.seg_len, seg.n_seg,
         Hkv=Hkv, K=K, V=V, BT=cfg.BT, BK=cfg.BK_seq, BV=cfg.BV_seq,
-        USE_H0=h0 is not None, STORE_HT=want_ht, SEGMENTED=seg.on, **common,
+        USE_H0=h0 is not None, STORE_HT=want_ht, SEGMENTED=seg.on, VU=VU, **common,
         **_opts(cfg.warps_seq, cfg.stages_seq, cfg.regs_seq))
     if seg.on:
         _chain_segments(cfg, seg, hbuf, dec, segend, ht, cu, offsets, indices, T, total, N,
-                        Hkv, K, VS, reverse=False)
+                        Hkv, K, VU, VS, reverse=False)
     _fwd_output_kernel[(total, Hkv)](
         q, k, v, g, o, hbuf, cu, offsets, indices, T, scale,
         H=H, Hkv=Hkv, K=K, V=V, BT=cfg.BT, BK=cfg.BK_o, BV=cfg.BV_o, NK=cfg.NK_o, NV=cfg.NV_o,
@@ -1378,6 +1393,16 @@ def _forward(q, k, v, g, scale, h0, want_ht, cu_seqlens, tiles, chunk, segment, 
         **_opts(cfg.warps_o, cfg.stages_chunk, cfg.regs_o))
     meta = (cfg, cu, offsets, indices, total, N, seg, bool(normalizer))
     return o, ht, hbuf, meta
+
+
+def _state_stride(V: int, normalizer) -> int:
+    """Row stride of the internal chunk-state buffers. With the normaliser a state row is
+    V + 1 wide; an odd stride (65) misaligns every row after the first, so no state tile
+    load or store can use 16-byte vectors. Rows are padded to a multiple of 8 elements
+    (the pad columns are never read)."""
+    if not normalizer:
+        return V
+    return _cdiv(V + 1, 8) * 8
 
 
 def _segment_buffers(seg, n_entries, Hkv, K, V, device):
@@ -1389,18 +1414,19 @@ def _segment_buffers(seg, n_entries, Hkv, K, V, device):
 
 
 def _chain_segments(cfg, seg, buf, dec, segend, final, cu, offsets, indices, T, total, N,
-                    Hkv, K, V, reverse):
+                    Hkv, K, V, VS, reverse):
     """After a segmented pass: true states at the segment anchors, then at every slot.
-    V here is the full state width (with the normaliser's column)."""
+    V here is the full state width (with the normaliser's column), which is also final's
+    row stride; VS is the row stride of buf and segend."""
     IS_VARLEN = cu is not None
     NV = _cdiv(V, cfg.BV_seq)
     _seg_combine_kernel[(cfg.NK_seq, NV, N * Hkv)](
         buf, dec, segend, final, cu, offsets, seg.offsets, T, seg.seg_len, seg.n_seg,
-        Hkv=Hkv, K=K, V=V, BT=cfg.BT, BK=cfg.BK_seq, BV=cfg.BV_seq, REVERSE=reverse,
-        STORE_FINAL=final is not None, IS_VARLEN=IS_VARLEN, num_warps=4)
+        Hkv=Hkv, K=K, V=V, VS=VS, VU=V, BT=cfg.BT, BK=cfg.BK_seq, BV=cfg.BV_seq,
+        REVERSE=reverse, STORE_FINAL=final is not None, IS_VARLEN=IS_VARLEN, num_warps=4)
     _seg_fixup_kernel[(total, Hkv)](
         buf, dec, cu, offsets, indices, T, seg.seg_len,
-        Hkv=Hkv, K=K, V=V, BT=cfg.BT, BK=cfg.BK_seq, BV=cfg.BV_seq, NK=cfg.NK_seq,
+        Hkv=Hkv, K=K, V=V, VS=VS, BT=cfg.BT, BK=cfg.BK_seq, BV=cfg.BV_seq, NK=cfg.NK_seq,
         NV=NV, REVERSE=reverse, IS_VARLEN=IS_VARLEN, num_warps=4)
 
 
@@ -1408,29 +1434,30 @@ def _backward(q, k, v, g, scale, hbuf, meta, do, dht, want_dh0):
     cfg, cu, offsets, indices, total, N, seg, normalizer = meta
     B, T, H, K = q.shape
     Hkv, V = k.shape[2], v.shape[3]
-    VS = V + int(normalizer)
+    VU = V + int(normalizer)
+    VS = hbuf.shape[-1]                             # the internal buffers' padded row stride
     R = H // Hkv
     do = do.contiguous()
     if dht is not None:
         dht = dht.contiguous()
     dhbuf = _new(hbuf.shape, cfg.state_dtype, q.device)
-    dh0 = _new((N, Hkv, K, VS), torch.float32, q.device) if want_dh0 else None
+    dh0 = _new((N, Hkv, K, VU), torch.float32, q.device) if want_dh0 else None
     dq = _new(q.shape, q.dtype, q.device)
     dk = _new(k.shape, k.dtype, q.device)
     dv = _new(v.shape, v.dtype, q.device)
     dg = _new(g.shape, g.dtype, q.device)
     common = dict(IS_VARLEN=cu is not None, DOT_BF16=cfg.dot_bf16, PREC=cfg.prec,
-                  VS=VS, VO=VS, NORM=normalizer)
+                  VS=VS, VO=VU, NORM=normalizer)
     dec, segend = _segment_buffers(seg, hbuf.shape[0], Hkv, K, VS, q.device)
     _bwd_dh_kernel[(cfg.NK_seq, cfg.NV_seq, seg.total * Hkv)](
         q, g, do, dht, dh0, dhbuf, dec, segend, cu, offsets, seg.indices, T, seg.seg_len,
         seg.n_seg, scale,
         H=H, Hkv=Hkv, K=K, V=V, BT=cfg.BT, BK=cfg.BK_seq, BV=cfg.BV_seq, R=R,
-        USE_DHT=dht is not None, STORE_DH0=want_dh0, SEGMENTED=seg.on, **common,
+        USE_DHT=dht is not None, STORE_DH0=want_dh0, SEGMENTED=seg.on, VU=VU, **common,
         **_opts(cfg.warps_seq, cfg.stages_seq, cfg.regs_seq))
     if seg.on:
         _chain_segments(cfg, seg, dhbuf, dec, segend, dh0, cu, offsets, indices, T, total, N,
-                        Hkv, K, VS, reverse=True)
+                        Hkv, K, VU, VS, reverse=True)
     _bwd_dqkg_kernel[(cfg.NK_g, total, Hkv)](
         q, k, v, g, do, hbuf, dhbuf, dq, dk, dg, dv, cu, offsets, indices, T, scale,
         H=H, Hkv=Hkv, K=K, V=V, BT=cfg.BT, BK=cfg.BK_g, BV=cfg.BV_g, NV=cfg.NV_g, R=R,
