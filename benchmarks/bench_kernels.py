@@ -444,7 +444,9 @@ def ptxas_report(cases=PTXAS_CASES, arch=90, out=sys.stdout, layer_cases=PTXAS_L
             for fn, args, grad in (
                     (feature_map_triton._FusedFeatureMap, (x, cs, cs, torch.zeros(H, D, D), True, pm),
                      torch.zeros(1, T, H, D * (1 + pm), dtype=dtype)),
-                    (normalizer_triton._Normalize, (torch.zeros(1, T, H, D + 1, dtype=dtype), 1e-6), x),
+                    # o as fused_chunk_gla returns it: rows padded to 8 values
+                    (normalizer_triton._Normalize,
+                     (torch.zeros(1, T, H, -(-(D + 1) // 8) * 8, dtype=dtype)[..., :D + 1], 1e-6), x),
                     (gate_triton._Gate, (x, 16.0, 1 + pm), torch.zeros(1, T, H, D * (1 + pm), dtype=dtype))):
                 ctx = _Ctx()
                 fn.forward(ctx, *args)

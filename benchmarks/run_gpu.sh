@@ -26,6 +26,7 @@
 #   bash benchmarks/run_gpu.sh next13        # next12, then per-kernel profiles at D128 (modes 2 and 0)
 #   bash benchmarks/run_gpu.sh regs          # per-kernel times under register caps (regs_*)
 #   bash benchmarks/run_gpu.sh next14        # launch settings re-swept at chunks of 32 (D64), per kernel
+#   bash benchmarks/run_gpu.sh next15        # session 12's unmeasured half: GPU tests, tables, 1B step
 #   bash benchmarks/run_gpu.sh quality "NAME:OVERRIDES" ...  # GPU recipe runs, in turn
 #       (after the payload steps; call again to resume the unfinished ones)
 #   bash benchmarks/run_gpu.sh quality-par "NAME:OVERRIDES" ...  # the same at once, one GPU each
@@ -297,6 +298,25 @@ next14)     # session 12: the warps and pipeline stages were chosen at chunks of
     echo "### profile $ov"
     timeout 100 python3 benchmarks/profile_kernels.py --no-sdpa --shape 8x2048:32:64 --shape 4x4096:32:64 \
         --shape 8x2048:32:64+norm --shape 1x16384:32/8:64+norm $ov 2>&1 | grep -E "^##|ms .*%|Error" || true
+  done ;;
+next15)     # session 12 measured the normaliser's padded state rows (+norm f+b -21..-31%) but
+            # not its second half: o and its gradient as row-padded views, the segment kernels
+            # on padded columns. GPU tests first (session 12's 170 s were not enough), then the
+            # D64 rows and per-kernel profiles, then the 1B student step (16K target, no margin)
+  gpu_tests 400
+  timeout 120 python3 benchmarks/bench_kernels.py --only glaswap --match "H32 D64" --match "+norm" \
+      --json "$OUT/table.json" 2>&1 | tee "$OUT/table.log" | grep -E "^(shape|[0-9]+x|  CHECK)" || true
+  timeout 80 python3 benchmarks/profile_kernels.py --no-sdpa --shape 8x2048:32:64+norm \
+      --shape 1x16384:32/8:64+norm --shape 1x16384:9/3:128x64+norm 2>&1 | grep -E "^##|ms .*%|Error" || true
+  timeout 150 python3 benchmarks/bench_distill.py --shapes llama-3.2-1b \
+      --json "$OUT/distill-1b.json" 2>&1 | tail -7 || true
+  # the D64 seed target is 1.3% / 2.2% away (1.145 / 1.339 ms): the dh pass alone on 2 warps
+  # (session 12's sweep: 4x4096 0.179 -> 0.157 ms, but the state pass slower), dq/dk/dg with K
+  # tiles of 32 on 2 warps and the dv kernel apart (as the GQA + normaliser rows run, -27% there)
+  for ov in "--set warps_dh=2" "--set BK_g=32 --set warps_g=2"; do
+    echo "### profile $ov"
+    timeout 60 python3 benchmarks/profile_kernels.py --no-sdpa --shape 8x2048:32:64 --shape 4x4096:32:64 \
+        $ov 2>&1 | grep -E "^##|ms .*%|Error" || true
   done ;;
 quality)    # runs of the GPU recipe, one after another (two processes sharing the GPU ran
             # 4-5x slower each: NOTES, session 4); each NAME:OVERRIDES gets runs/NAME and

@@ -536,8 +536,10 @@ def _seg_combine_kernel(buf, dec, segend, hfinal, cu_seqlens, chunk_offsets, seg
     first segment started from h0, so its end is already true); the last one is ht.
     REVERSE (dh pass): the same from the last segment down, written at each segment's first
     slot; the first segment's start is dh0.
-    V: the state columns handled (with the normaliser's); VS: the row stride of buf and
-    segend (padded), VU: that of hfinal (the caller's [.., K, V])."""
+    V: the state columns handled, VS: the row stride of buf and segend, VU: the width and
+    row stride of hfinal (the caller's [.., K, VU]). With the normaliser's padded rows the
+    caller passes V = VS: the pad columns are chained too (never read elsewhere), which
+    keeps every column group 16-byte aligned and the loads vectorised."""
     i_k = tl.program_id(0)
     i_v = tl.program_id(1)
     i_nh = tl.program_id(2)
@@ -578,7 +580,7 @@ def _seg_combine_kernel(buf, dec, segend, hfinal, cu_seqlens, chunk_offsets, seg
                 segend + ((s0 + s) * Hkv + i_h).to(tl.int64) * K * VS, k0, v0, K, V, VS, BK, BV)
             _store_state(buf + (slot * Hkv + i_h) * K * VS, b_h, k0, v0, K, V, VS, BK, BV)
     if STORE_FINAL:
-        _store_state(hfinal + i_nh.to(tl.int64) * K * VU, b_h, k0, v0, K, V, VU, BK, BV)
+        _store_state(hfinal + i_nh.to(tl.int64) * K * VU, b_h, k0, v0, K, VU, VU, BK, BV)
 
 
 @triton.jit
@@ -1270,6 +1272,7 @@ class _Config:
         # than 8 at every benchmark shape on the H200 (8x2048 H32 D64: 0.42 -> 0.33 ms
         # forward). fp32 operands (fp16/fp32 inputs) spill heavily at 4 warps: 8 there.
         self.warps_seq = 4 if dtype == torch.bfloat16 else 8
+        self.warps_dh = None                           # the dh pass's own, when set (tuning)
         self.stages_seq = 2
         # bf16 output kernels: 4 warps measured faster on the H200 at D = 64 and 128.
         small = self.BT * max(self.BK_o, self.BV_o) < 64 * 64
@@ -1374,9 +1377,12 @@ def _forward(q, k, v, g, scale, h0, want_ht, cu_seqlens, tiles, chunk, segment, 
         h0 = h0.contiguous()
     hbuf = _new((n_entries, Hkv, K, VS), cfg.state_dtype, q.device)
     ht = _new((N, Hkv, K, VU), torch.float32, q.device) if want_ht else None
-    o = _new((B, T, H, VU), q.dtype, q.device)
+    # With the normaliser o is a [B, T, H, V + 1] view of rows padded like the states (VS):
+    # aligned rows let the kernels that write o and read its gradient use vector accesses
+    # (the fused normaliser's backward hands the gradient back in the same layout).
+    o = _new((B, T, H, VS), q.dtype, q.device)[..., :VU]
     common = dict(IS_VARLEN=cu is not None, DOT_BF16=cfg.dot_bf16, PREC=cfg.prec,
-                  VS=VS, VO=VU, NORM=bool(normalizer))
+                  VS=VS, VO=VS, NORM=bool(normalizer))
     dec, segend = _segment_buffers(seg, n_entries, Hkv, K, VS, q.device)
     _fwd_state_kernel[(cfg.NK_seq, cfg.NV_seq, seg.total * Hkv)](
         k, v, g, h0, ht, hbuf, dec, segend, cu, offsets, seg.indices, T, seg.seg_len, seg.n_seg,
@@ -1393,6 +1399,21 @@ def _forward(q, k, v, g, scale, h0, want_ht, cu_seqlens, tiles, chunk, segment, 
         **_opts(cfg.warps_o, cfg.stages_chunk, cfg.regs_o))
     meta = (cfg, cu, offsets, indices, total, N, seg, bool(normalizer))
     return o, ht, hbuf, meta
+
+
+def _row_stride(x):
+    """The distance between consecutive rows (last dimension) of x when x is a row-padded
+    view: unit stride in the last dimension and every other dimension laid out as in a
+    contiguous tensor of rows that wide. None otherwise."""
+    rs = x.stride(-1) == 1 and x.dim() >= 2 and x.stride(-2)
+    if not rs or rs < x.shape[-1]:
+        return None
+    expect = rs
+    for i in range(x.dim() - 2, -1, -1):
+        if x.shape[i] > 1 and x.stride(i) != expect:
+            return None
+        expect *= x.shape[i]
+    return rs
 
 
 def _state_stride(V: int, normalizer) -> int:
@@ -1417,16 +1438,17 @@ def _chain_segments(cfg, seg, buf, dec, segend, final, cu, offsets, indices, T, 
                     Hkv, K, V, VS, reverse):
     """After a segmented pass: true states at the segment anchors, then at every slot.
     V here is the full state width (with the normaliser's column), which is also final's
-    row stride; VS is the row stride of buf and segend."""
+    row stride; VS is the row stride of buf and segend. Both kernels walk all VS columns
+    (pad included): a mask at V + 1 would split 8-column groups and force scalar loads."""
     IS_VARLEN = cu is not None
-    NV = _cdiv(V, cfg.BV_seq)
+    NV = _cdiv(VS, cfg.BV_seq)
     _seg_combine_kernel[(cfg.NK_seq, NV, N * Hkv)](
         buf, dec, segend, final, cu, offsets, seg.offsets, T, seg.seg_len, seg.n_seg,
-        Hkv=Hkv, K=K, V=V, VS=VS, VU=V, BT=cfg.BT, BK=cfg.BK_seq, BV=cfg.BV_seq,
+        Hkv=Hkv, K=K, V=VS, VS=VS, VU=V, BT=cfg.BT, BK=cfg.BK_seq, BV=cfg.BV_seq,
         REVERSE=reverse, STORE_FINAL=final is not None, IS_VARLEN=IS_VARLEN, num_warps=4)
     _seg_fixup_kernel[(total, Hkv)](
         buf, dec, cu, offsets, indices, T, seg.seg_len,
-        Hkv=Hkv, K=K, V=V, VS=VS, BT=cfg.BT, BK=cfg.BK_seq, BV=cfg.BV_seq, NK=cfg.NK_seq,
+        Hkv=Hkv, K=K, V=VS, VS=VS, BT=cfg.BT, BK=cfg.BK_seq, BV=cfg.BV_seq, NK=cfg.NK_seq,
         NV=NV, REVERSE=reverse, IS_VARLEN=IS_VARLEN, num_warps=4)
 
 
@@ -1437,7 +1459,9 @@ def _backward(q, k, v, g, scale, hbuf, meta, do, dht, want_dh0):
     VU = V + int(normalizer)
     VS = hbuf.shape[-1]                             # the internal buffers' padded row stride
     R = H // Hkv
-    do = do.contiguous()
+    VO = _row_stride(do) if normalizer else None
+    if VO is None or VO % 8:                       # not the padded layout: a plain copy
+        do, VO = do.contiguous(), VU
     if dht is not None:
         dht = dht.contiguous()
     dhbuf = _new(hbuf.shape, cfg.state_dtype, q.device)
@@ -1447,14 +1471,14 @@ def _backward(q, k, v, g, scale, hbuf, meta, do, dht, want_dh0):
     dv = _new(v.shape, v.dtype, q.device)
     dg = _new(g.shape, g.dtype, q.device)
     common = dict(IS_VARLEN=cu is not None, DOT_BF16=cfg.dot_bf16, PREC=cfg.prec,
-                  VS=VS, VO=VU, NORM=normalizer)
+                  VS=VS, VO=VO, NORM=normalizer)
     dec, segend = _segment_buffers(seg, hbuf.shape[0], Hkv, K, VS, q.device)
     _bwd_dh_kernel[(cfg.NK_seq, cfg.NV_seq, seg.total * Hkv)](
         q, g, do, dht, dh0, dhbuf, dec, segend, cu, offsets, seg.indices, T, seg.seg_len,
         seg.n_seg, scale,
         H=H, Hkv=Hkv, K=K, V=V, BT=cfg.BT, BK=cfg.BK_seq, BV=cfg.BV_seq, R=R,
         USE_DHT=dht is not None, STORE_DH0=want_dh0, SEGMENTED=seg.on, VU=VU, **common,
-        **_opts(cfg.warps_seq, cfg.stages_seq, cfg.regs_seq))
+        **_opts(cfg.warps_dh or cfg.warps_seq, cfg.stages_seq, cfg.regs_seq))
     if seg.on:
         _chain_segments(cfg, seg, dhbuf, dec, segend, dh0, cu, offsets, indices, T, total, N,
                         Hkv, K, VU, VS, reverse=True)
@@ -1514,7 +1538,10 @@ def fused_chunk_gla(q, k, v, g, scale=None, initial_state=None, output_final_sta
     normalizer=True computes what a column of ones appended to v would give, without the
     extra column in every V tile: o gets V + 1 columns (the last is the normaliser
     s * sum_j (q_i 2^{G_i - G_j}) k_j) and the states K x (V + 1) (the last column is the
-    normaliser's state), exactly the layout of the ones-column call.
+    normaliser's state), exactly the layout of the ones-column call. That o is a view of rows
+    padded to a multiple of 8 values (not contiguous; `.contiguous()` gives a plain copy): the
+    backward reads a gradient handed back in the same layout (as the fused normaliser does)
+    in place, and any other gradient through one copy.
     `_tiles=(BK, BV)`, `_chunk` and `_segment` are private (tests): they force the tile sizes
     of every kernel, the chunk length and the chunks per segment of the sequential passes
     (0: one walk per sequence).

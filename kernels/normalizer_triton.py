@@ -26,53 +26,59 @@ try:
 except ImportError:
     raise
 
-from .gla_triton import _cdiv, _new, _next_pow2  # _new: NaN-filled under gla_triton.POISON
+from .gla_triton import _cdiv, _new, _next_pow2, _row_stride  # _new: NaN-filled under POISON
 
 _ROWS = 64
 
 
 @triton.jit
-def _load_rows(o, rows, cols, n_rows, V: tl.constexpr):
-    """num [rows, BV] and den [rows] (float32) of rows of the [n_rows, V + 1] tensor o."""
+def _load_rows(o, rows, cols, n_rows, V: tl.constexpr, RS: tl.constexpr):
+    """num [rows, BV] and den [rows] (float32) of rows of o: n_rows rows of V + 1 values,
+    RS apart."""
     m = (rows < n_rows)[:, None] & (cols < V)[None, :]
-    num = tl.load(o + rows[:, None] * (V + 1) + cols[None, :], mask=m, other=0.0).to(tl.float32)
-    den = tl.load(o + rows * (V + 1) + V, mask=rows < n_rows, other=1.0).to(tl.float32)
+    num = tl.load(o + rows[:, None] * RS + cols[None, :], mask=m, other=0.0).to(tl.float32)
+    den = tl.load(o + rows * RS + V, mask=rows < n_rows, other=1.0).to(tl.float32)
     return num, den, m
 
 
 @triton.jit
-def _normalize_fwd_kernel(o, out, n_rows, eps, V: tl.constexpr, BV: tl.constexpr, BR: tl.constexpr):
+def _normalize_fwd_kernel(o, out, n_rows, eps, V: tl.constexpr, RS: tl.constexpr, BV: tl.constexpr,
+                          BR: tl.constexpr):
     rows = tl.program_id(0).to(tl.int64) * BR + tl.arange(0, BR)
     cols = tl.arange(0, BV)
-    num, den, m = _load_rows(o, rows, cols, n_rows, V)
+    num, den, m = _load_rows(o, rows, cols, n_rows, V, RS)
     y = num / (den + eps)[:, None]
     tl.store(out + rows[:, None] * V + cols[None, :], y.to(out.dtype.element_ty), mask=m)
 
 
 @triton.jit
-def _normalize_bwd_kernel(o, dout, do, n_rows, eps, V: tl.constexpr, BV: tl.constexpr, BR: tl.constexpr):
+def _normalize_bwd_kernel(o, dout, do, n_rows, eps, V: tl.constexpr, RS: tl.constexpr,
+                          RD: tl.constexpr, BV: tl.constexpr, BR: tl.constexpr):
     rows = tl.program_id(0).to(tl.int64) * BR + tl.arange(0, BR)
     cols = tl.arange(0, BV)
-    num, den, m = _load_rows(o, rows, cols, n_rows, V)
+    num, den, m = _load_rows(o, rows, cols, n_rows, V, RS)
     dy = tl.load(dout + rows[:, None] * V + cols[None, :], mask=m, other=0.0).to(tl.float32)
     inv = 1.0 / (den + eps)
     dnum = dy * inv[:, None]
     dden = -tl.sum(dnum * num, axis=1) * inv
-    tl.store(do + rows[:, None] * (V + 1) + cols[None, :], dnum.to(do.dtype.element_ty), mask=m)
-    tl.store(do + rows * (V + 1) + V, dden.to(do.dtype.element_ty), mask=rows < n_rows)
+    tl.store(do + rows[:, None] * RD + cols[None, :], dnum.to(do.dtype.element_ty), mask=m)
+    tl.store(do + rows * RD + V, dden.to(do.dtype.element_ty), mask=rows < n_rows)
 
 
 class _Normalize(torch.autograd.Function):
     @staticmethod
     def forward(ctx, o, eps):
         V = o.shape[-1] - 1
+        rs = _row_stride(o)                 # fused_chunk_gla's o: rows padded to 8 values
+        if rs is None:
+            o, rs = o.contiguous(), V + 1
         rows = o.numel() // (V + 1)
         out = _new(o.shape[:-1] + (V,), o.dtype, o.device)
         BV = max(16, _next_pow2(V))
-        _normalize_fwd_kernel[(_cdiv(rows, _ROWS),)](o, out, rows, eps, V=V, BV=BV, BR=_ROWS,
-                                                          num_warps=4)
+        _normalize_fwd_kernel[(_cdiv(rows, _ROWS),)](o, out, rows, eps, V=V, RS=rs, BV=BV,
+                                                          BR=_ROWS, num_warps=4)
         ctx.save_for_backward(o)
-        ctx.eps = eps
+        ctx.eps, ctx.rs = eps, rs
         return out
 
     @staticmethod
@@ -80,10 +86,14 @@ class _Normalize(torch.autograd.Function):
         (o,) = ctx.saved_tensors
         V = o.shape[-1] - 1
         rows = o.numel() // (V + 1)
-        do = _new(o.shape, o.dtype, o.device)
+        # the gradient in padded rows too (a view of V + 1 columns): fused_chunk_gla's
+        # backward then reads it with vector loads instead of copying it
+        rd = _cdiv(V + 1, 8) * 8
+        do = _new(o.shape[:-1] + (rd,), o.dtype, o.device)[..., :V + 1]
         BV = max(16, _next_pow2(V))
         _normalize_bwd_kernel[(_cdiv(rows, _ROWS),)](o, dout.contiguous(), do, rows, ctx.eps,
-                                                          V=V, BV=BV, BR=_ROWS, num_warps=4)
+                                                          V=V, RS=ctx.rs, RD=rd, BV=BV, BR=_ROWS,
+                                                          num_warps=4)
         return do, None
 
 
@@ -92,4 +102,4 @@ def fused_normalize(o, eps=1e-6):
     in o's dtype, computed in float32."""
     if o.shape[-1] < 2:
         raise ValueError(f"fused_normalize wants [..., V + 1] with V >= 1, got {tuple(o.shape)}")
-    return _Normalize.apply(o.contiguous(), float(eps))
+    return _Normalize.apply(o, float(eps))

@@ -51,6 +51,10 @@ def test_overrides_and_errors(tmp_path):
         "data.train=3": "recipe key data.train: expected a list of a mapping",
         "model.options.gate=bogus": "invalid gate 'bogus'",
         "stage2.lr=-1": "recipe key stage2.lr: must be > 0",
+        "data.extra_eval=[{name: ood, sources: []}]": "data.extra_eval[0].sources: list at least one source",
+        "data.extra_eval=[{name: a, sources: [{path: x.npz}]}, {name: a, sources: [{path: y.npz}]}]":
+            "data.extra_eval[0].name: 'a' is used twice",
+        "data.extra_eval=[{name: a b, sources: [{path: x.npz}]}]": "data.extra_eval[0].name: give a short name",
         "oops": "not key=value",
     }
     for override, message in cases.items():
@@ -309,6 +313,31 @@ def test_resume_from_a_stage_end_logs_its_evaluation_once(tmp_path):
     evals = [(r["stage"], r["step"]) for r in records if r.get("event") == "eval"]
     assert evals == [(1, 3), (2, 2)], evals
     assert [r["step"] for r in records if r["stage"] == 2 and "loss" in r] == [1, 2]
+
+
+def test_extra_eval_sets_are_reported_apart_and_survive_resume(tmp_path):
+    """data.extra_eval: each named set is scored after each stage beside the main evaluation
+    (eval.json "extra", metrics records with "set"), also when stage 1's results come from
+    the log of an interrupted run."""
+    path = tiny_recipe(tmp_path, s1=3, s2=2, every=1)
+    rng = np.random.default_rng(1)
+    lens = rng.integers(20, 60, size=12)
+    np.savez(tmp_path / "ood.npz", ids=rng.integers(0, 128, int(lens.sum())).astype(np.uint16), doc_lens=lens)
+    over = [f"data.extra_eval=[{{name: ood, sources: [{{path: {tmp_path / 'ood.npz'}}}]}}]"]
+    with pytest.raises(Interrupted):
+        distill(load_recipe(path, over), out=tmp_path / "run", log=_quiet, stop_after=(2, 1))
+    lines = []
+    meta = distill(load_recipe(path, over), out=tmp_path / "run", resume=True, log=lines.append)
+    ev = json.loads((tmp_path / "run" / "eval.json").read_text())
+    assert ev == meta["eval"]
+    for stage in ("stage1", "stage2"):
+        main_res, ood = ev[stage], ev[stage]["extra"]["ood"]
+        assert ood["tokens"] > 0 and np.isfinite(ood["student_ppl"]) and np.isfinite(ood["teacher_ppl"])
+        assert ood["teacher_ppl"] != main_res["teacher_ppl"]     # another text, scored apart
+    assert any(line.startswith("after stage 2 [ood]: teacher ppl") for line in lines), lines
+    records = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    evals = [(r["stage"], r.get("set")) for r in records if r.get("event") == "eval"]
+    assert evals == [(1, None), (1, "ood"), (2, None), (2, "ood")], evals
 
 
 # ----------------------------------------------------------------------------- bad input

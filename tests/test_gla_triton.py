@@ -356,6 +356,38 @@ def test_ops_normalizer_dispatch(monkeypatch, in_kernel):
 
 
 @needs_kernels
+def test_normalizer_chain_keeps_padded_rows(monkeypatch):
+    """chunk_gla(normalizer=True) then normalize, as the layer runs them: the Triton chain
+    matches PyTorch's, o comes out as a view of rows padded to 8 values, and the gradient
+    reaches the GLA backward in that layout (read in place, not copied to V + 1 rows)."""
+    from glaswap_kernels import gla_ops
+    monkeypatch.setattr(gla_ops, "NORMALIZER_IN_KERNEL", True)
+    seen = []
+    backward = gla_triton._backward
+
+    def spy(q, k, v, g, scale, hbuf, meta, do, *rest):
+        seen.append(do.stride())
+        return backward(q, k, v, g, scale, hbuf, meta, do, *rest)
+    monkeypatch.setattr(gla_triton, "_backward", spy)
+    (q, k, v, g), _, _, _, _ = make_inputs(2, 40, 4, 2, 16, 16)
+    v = v.abs()                                    # keep the normaliser away from 0
+    q, k = q.abs(), k.abs()
+    dy = torch.randn(2, 40, 4, 16)
+    outs = []
+    for backend in ("torch", "triton"):
+        xs = [x.clone().to(DEVICE).requires_grad_() for x in (q, k, v, g)]
+        o, _ = gla_ops.chunk_gla(*xs, backend=backend, normalizer=True)
+        if backend == "triton":
+            assert o.shape[-1] == 17 and o.stride(-2) == 24, o.stride()
+        y = gla_ops.normalize(o, 1e-6, backend=backend)
+        (y * dy.to(DEVICE)).sum().backward()
+        outs.append([y] + [x.grad for x in xs])
+    for a, b in zip(*outs):
+        assert torch.isfinite(a).all() and rel(a, b) < 1e-4
+    assert seen and seen[-1][-2] == 24, seen
+
+
+@needs_kernels
 def test_custom_scale():
     run_and_compare(B=1, T=30, H=2, Hkv=1, K=16, V=16, scale=0.3)
 
@@ -531,6 +563,16 @@ def test_kernels_compile_for_hopper():
     # ptxas assembled every kernel (Triton 3.9 writes PTX that only its newer bundled
     # assembler accepts; a rejected file used to leave these empty without failing)
     assert all(r["regs"] is not None for r in rows), [r for r in rows if r["regs"] is None][:2]
+    # The normaliser's chunk states are rows padded to 8 values and o / do row-padded views,
+    # so its tiles load as 16-byte vectors. With the odd stride (V + 1 = 65) they were scalar
+    # loads (session 12, bf16 8x2048 case, scalar / vector loads in the PTX: output kernel
+    # 40 / 10, dq/dk/dg 126 / 14, segment combine 96 / 0; now at most 27 scalar ones, mostly
+    # index and column loads; H200 f+b 2.09 -> 1.44 ms).
+    for r in rows:
+        if r.get("NORM") and r["kernel"] in ("_fwd_output_kernel", "_bwd_dqkg_kernel", "_bwd_dv_kernel"):
+            assert r["loads_x1"] <= 32 and r["loads_x4"] >= 12, r
+        if r["kernel"] in ("_seg_combine_kernel", "_seg_fixup_kernel") and r["V"] % 8 == 0:
+            assert r["loads_x1"] <= 16 and r["loads_x4"] >= 8, r
 
 
 @pytest.mark.slow

@@ -181,7 +181,9 @@ def test_layer_triton_path_matches_torch_path(feature_map):
 
 
 # ------------------------------------------------------------------ normaliser division
-def check_normalize(shape, V, dtype, tol, seed=0):
+def check_normalize(shape, V, dtype, tol, seed=0, padded=False):
+    """padded: o is a view of rows padded to 8 values (fused_chunk_gla's layout), which the
+    kernel reads in place."""
     gen = torch.Generator().manual_seed(seed)
     num = torch.randn(*shape, V, generator=gen)
     den = torch.rand(*shape, 1, generator=gen) * 3 + 0.05   # positive, as positive feature maps give
@@ -190,7 +192,13 @@ def check_normalize(shape, V, dtype, tol, seed=0):
     ref_o = o.double().requires_grad_()
     ref = normalize(ref_o, 1e-6, backend="torch")
     (ref * dout.double()).sum().backward()
-    got_o = o.to(DEVICE, dtype).requires_grad_()
+    if padded:
+        buf = torch.full((*shape, -(-(V + 1) // 8) * 8), float("nan"), device=DEVICE, dtype=dtype)
+        buf[..., :V + 1] = o.to(DEVICE, dtype)
+        got_o = buf[..., :V + 1].detach().requires_grad_()
+        assert not got_o.is_contiguous() or (V + 1) % 8 == 0
+    else:
+        got_o = o.to(DEVICE, dtype).requires_grad_()
     got = normalizer_triton.fused_normalize(got_o, 1e-6)
     (got.float() * dout.to(DEVICE)).sum().backward()
     assert got.dtype == dtype and got.shape == ref.shape
@@ -202,6 +210,11 @@ def check_normalize(shape, V, dtype, tol, seed=0):
 @pytest.mark.parametrize("V", [1, 16, 24, 64, 80])
 def test_fused_normalize(V):
     check_normalize((2, 37, 3), V, torch.float32, 1e-6)   # 222 rows: the last block of 64 partial
+
+
+@pytest.mark.parametrize("V", [16, 64])
+def test_fused_normalize_padded_rows(V):
+    check_normalize((2, 37, 3), V, torch.float32, 1e-6, padded=True)
 
 
 def test_fused_normalize_one_row_and_bad_shape():

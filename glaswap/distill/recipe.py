@@ -39,9 +39,20 @@ class ModelSpec:
 
 
 @dataclass
+class EvalSet:
+    """A further evaluation text, scored and reported on its own (e.g. text of another
+    domain, never trained on: training on in-domain text, with a cross-entropy term above
+    all, lowers the in-domain perplexity of the student alone, so the teacher comparison
+    needs text neither was tuned on)."""
+    name: str = ""
+    sources: list[DataSource] = field(default_factory=list)
+
+
+@dataclass
 class DataSpec:
     train: list[DataSource] = field(default_factory=list)
     eval: list[DataSource] = field(default_factory=list)   # empty: use the held-out split
+    extra_eval: list[EvalSet] = field(default_factory=list)
     seq_len: int = 512
     heldout_fraction: float = 0.02
     eval_tokens: int = 32768        # tokens scored at each evaluation (per model)
@@ -183,10 +194,19 @@ def _check_values(r: Recipe):
     except ValueError as e:
         raise GlaswapError(f"recipe key model.options: {e}")
     need(len(r.data.train) > 0, "data.train", "list at least one source of training text")
-    for group in ("train", "eval"):
-        for i, s in enumerate(getattr(r.data, group)):
+    groups = [(f"data.{g}", getattr(r.data, g)) for g in ("train", "eval")]
+    names = [e.name for e in r.data.extra_eval]
+    for j, extra in enumerate(r.data.extra_eval):
+        need(extra.name.isidentifier(), f"data.extra_eval[{j}].name",
+             "give a short name of letters, digits and _ (it labels the results)")
+        need(extra.name != "extra" and names.count(extra.name) == 1, f"data.extra_eval[{j}].name",
+             f"{extra.name!r} is used twice (or reserved); names must be unique")
+        need(len(extra.sources) > 0, f"data.extra_eval[{j}].sources", "list at least one source")
+        groups.append((f"data.extra_eval[{j}].sources", extra.sources))
+    for group, specs in groups:
+        for i, s in enumerate(specs):
             given = [k for k in ("path", "pypi", "hf") if getattr(s, k)]
-            need(len(given) == 1, f"data.{group}[{i}]", "give exactly one of path, pypi, hf")
+            need(len(given) == 1, f"{group}[{i}]", "give exactly one of path, pypi, hf")
     need(r.data.seq_len >= 16, "data.seq_len", "must be at least 16")
     need(0.0 <= r.data.heldout_fraction < 0.5, "data.heldout_fraction", "must be in [0, 0.5)")
     need(r.data.eval_tokens >= 0, "data.eval_tokens", "must be >= 0")

@@ -71,9 +71,14 @@ def _device_dtype(recipe: Recipe, dist: Dist):
     return device, dtype
 
 
+def _all_sources(recipe: Recipe):
+    return (list(recipe.data.train) + list(recipe.data.eval)
+            + [s for extra in recipe.data.extra_eval for s in extra.sources])
+
+
 def _check_data_paths(recipe: Recipe):
     """Fail on a missing data file before the (slow) conversion starts."""
-    for spec in list(recipe.data.train) + list(recipe.data.eval):
+    for spec in _all_sources(recipe):
         if spec.path:
             if spec.path.endswith(".npz"):
                 if not Path(spec.path).expanduser().is_file():
@@ -430,6 +435,13 @@ def _distill(recipe: Recipe, out, resume: bool, force: bool, log, stop_after, di
                            f"data.seq_len={recipe.data.seq_len}; add text or lower seq_len")
     log(f"data: {train_tokens.n_tokens:,} training tokens ({len(blocks):,} blocks of {recipe.data.seq_len}), "
         f"{heldout.n_tokens:,} held out, {eval_tokens.n_tokens:,} for evaluation")
+    extra_blocks = {}
+    for extra in recipe.data.extra_eval:
+        toks = D.load_sources(extra.sources, tokenizer, log, vocab)
+        if toks.n_tokens < 2:
+            raise GlaswapError(f"data.extra_eval {extra.name!r} holds no text; check its sources")
+        extra_blocks[extra.name] = D.PackedBlocks(toks, recipe.data.seq_len)
+        log(f"data: {toks.n_tokens:,} tokens for evaluation set {extra.name!r}")
 
     torch.manual_seed(recipe.train.seed)
     # FSDP shards need one dtype per layer: keep float32 there and gather in the compute dtype.
@@ -455,14 +467,23 @@ def _distill(recipe: Recipe, out, resume: bool, force: bool, log, stop_after, di
     evals = {"step0": step0}
 
     def evaluate_after(stage, steps):
-        """Teacher and student perplexity on the evaluation text, logged and printed."""
+        """Teacher and student perplexity on the evaluation text (and on each extra set,
+        under "extra"), logged and printed."""
         bs = max(recipe.stage1.batch_size, recipe.stage2.batch_size)
         result = evaluate_blocks(lm, eval_blocks, recipe.data.eval_tokens, bs, device, dtype, dist)
-        evals[f"stage{stage}"] = result
         if result:
             metrics.log(stage=stage, step=steps, event="eval", **result)
             log(f"after stage {stage}: teacher ppl {result['teacher_ppl']:.2f}, "
                 f"student ppl {result['student_ppl']:.2f}")
+        for name, extra in extra_blocks.items():
+            res = evaluate_blocks(lm, extra, recipe.data.eval_tokens, bs, device, dtype, dist)
+            if not res:                                 # data.eval_tokens = 0: no evaluation
+                continue
+            result.setdefault("extra", {})[name] = res
+            metrics.log(stage=stage, step=steps, event="eval", set=name, **res)
+            log(f"after stage {stage} [{name}]: teacher ppl {res['teacher_ppl']:.2f}, "
+                f"student ppl {res['student_ppl']:.2f}")
+        evals[f"stage{stage}"] = result
     params = dict(lm.named_parameters())
 
     # ---- stage 1: attention transfer (gates and feature maps only)
@@ -481,8 +502,14 @@ def _distill(recipe: Recipe, out, resume: bool, force: bool, log, stop_after, di
         if recipe.train.eval_after_stage1:
             evaluate_after(1, s1.steps)
     elif start_stage == 2:  # stage 1 ran before the interruption: its evaluation is in the log
-        logged = next((r for r in metrics.read() if r.get("event") == "eval" and r["stage"] == 1), {})
-        evals["stage1"] = {k: v for k, v in logged.items() if k not in ("stage", "step", "event")}
+        logged = [r for r in metrics.read() if r.get("event") == "eval" and r["stage"] == 1]
+        drop = ("stage", "step", "event", "set")
+        evals["stage1"] = next(({k: v for k, v in r.items() if k not in drop}
+                                for r in logged if "set" not in r), {})
+        for r in logged:
+            if "set" in r:
+                evals["stage1"].setdefault("extra", {})[r["set"]] = {k: v for k, v in r.items()
+                                                                     if k not in drop}
 
     # ---- stage 2: LoRA distillation (LoRA, and the new parameters unless told otherwise)
     s2 = recipe.stage2
@@ -575,8 +602,7 @@ def _load_tokenizer(converted: Path, recipe: Recipe):
     try:
         return AutoTokenizer.from_pretrained(str(converted), trust_remote_code=True)
     except Exception:
-        specs = list(recipe.data.train) + list(recipe.data.eval)
-        if all(s.path and s.path.endswith(".npz") for s in specs):
+        if all(s.path and s.path.endswith(".npz") for s in _all_sources(recipe)):
             return None
         raise GlaswapError(f"{recipe.model.source} has no tokenizer; give pre-tokenised .npz data "
                            f"or a model folder with tokenizer files")
