@@ -338,6 +338,11 @@ def test_extra_eval_sets_are_reported_apart_and_survive_resume(tmp_path):
     records = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     evals = [(r["stage"], r.get("set")) for r in records if r.get("event") == "eval"]
     assert evals == [(1, None), (1, "ood"), (2, None), (2, "ood")], evals
+    # a set shorter than one block is refused in one line, before any training
+    np.savez(tmp_path / "short.npz", ids=np.arange(10, dtype=np.uint16), doc_lens=np.array([10]))
+    short = [f"data.extra_eval=[{{name: short, sources: [{{path: {tmp_path / 'short.npz'}}}]}}]"]
+    with pytest.raises(GlaswapError, match="extra_eval 'short' has 10 tokens, fewer than one block"):
+        distill(load_recipe(path, short), out=tmp_path / "short_run", log=_quiet)
 
 
 # ----------------------------------------------------------------------------- bad input

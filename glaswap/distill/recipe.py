@@ -199,8 +199,8 @@ def _check_values(r: Recipe):
     for j, extra in enumerate(r.data.extra_eval):
         need(extra.name.isidentifier(), f"data.extra_eval[{j}].name",
              "give a short name of letters, digits and _ (it labels the results)")
-        need(extra.name != "extra" and names.count(extra.name) == 1, f"data.extra_eval[{j}].name",
-             f"{extra.name!r} is used twice (or reserved); names must be unique")
+        need(names.count(extra.name) == 1, f"data.extra_eval[{j}].name",
+             f"{extra.name!r} is used twice; names must be unique")
         need(len(extra.sources) > 0, f"data.extra_eval[{j}].sources", "list at least one source")
         groups.append((f"data.extra_eval[{j}].sources", extra.sources))
     for group, specs in groups:

@@ -438,9 +438,10 @@ def _distill(recipe: Recipe, out, resume: bool, force: bool, log, stop_after, di
     extra_blocks = {}
     for extra in recipe.data.extra_eval:
         toks = D.load_sources(extra.sources, tokenizer, log, vocab)
-        if toks.n_tokens < 2:
-            raise GlaswapError(f"data.extra_eval {extra.name!r} holds no text; check its sources")
         extra_blocks[extra.name] = D.PackedBlocks(toks, recipe.data.seq_len)
+        if len(extra_blocks[extra.name]) == 0:
+            raise GlaswapError(f"data.extra_eval {extra.name!r} has {toks.n_tokens} tokens, fewer than one "
+                               f"block of data.seq_len={recipe.data.seq_len}; add text or lower seq_len")
         log(f"data: {toks.n_tokens:,} tokens for evaluation set {extra.name!r}")
 
     torch.manual_seed(recipe.train.seed)
