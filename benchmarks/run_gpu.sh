@@ -312,8 +312,10 @@ next15)     # session 12 measured the normaliser's padded state rows (+norm f+b 
       --json "$OUT/distill-1b.json" 2>&1 | tail -7 || true
   # the D64 seed target is 1.3% / 2.2% away (1.145 / 1.339 ms): the dh pass alone on 2 warps
   # (session 12's sweep: 4x4096 0.179 -> 0.157 ms, but the state pass slower), dq/dk/dg with K
-  # tiles of 32 on 2 warps and the dv kernel apart (as the GQA + normaliser rows run, -27% there)
-  for ov in "--set warps_dh=2" "--set BK_g=32 --set warps_g=2"; do
+  # tiles of 32 and the dv kernel apart (as the GQA + normaliser rows run, -27% there; ptxas:
+  # 0 B spilled at 4 warps, 112 B at 2), the dv kernel on 2 warps too
+  for ov in "--set warps_dh=2" "--set BK_g=32" "--set BK_g=32 --set warps_g=2" \
+            "--set BK_g=32 --set warps_g=2 --set warps_dv=2"; do
     echo "### profile $ov"
     timeout 60 python3 benchmarks/profile_kernels.py --no-sdpa --shape 8x2048:32:64 --shape 4x4096:32:64 \
         $ov 2>&1 | grep -E "^##|ms .*%|Error" || true
