@@ -518,7 +518,7 @@ def ptxas_report(cases=PTXAS_CASES, arch=90, out=sys.stdout, layer_cases=PTXAS_L
                  for w in (2, 4)}
         loads[1] = len(re.findall(r"\bld\.global[.a-z0-9]*\s", ptx)) - loads[2] - loads[4]
         shown = {k: v for k, v in constexprs.items()
-                 if k in ("K", "V", "BT", "BK", "BV", "R", "NK", "NV", "WITH_DV", "IS_VARLEN",
+                 if k in ("K", "V", "BT", "BK", "BV", "R", "NK", "NV", "WITH_DV", "ALL_V", "IS_VARLEN",
                           "DOT_BF16", "NORM", "SEGMENTED", "D", "PM", "DW_MODE")}
         row = dict(kernel=fn.__name__, grid=str(grid), regs=regs, spill_bytes=spills,
                    smem=compiled.metadata.shared, loads_x1=loads[1], loads_x2=loads[2],

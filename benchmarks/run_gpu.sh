@@ -319,6 +319,13 @@ next15)     # session 12 measured the normaliser's padded state rows (+norm f+b 
     echo "### profile $ov"
     timeout 60 python3 benchmarks/profile_kernels.py --no-sdpa --shape 8x2048:32:64 --shape 4x4096:32:64 \
         $ov 2>&1 | grep -E "^##|ms .*%|Error" || true
+  done
+  # D128: the dv kernel as one program per chunk over both V tiles, P built once (session 12,
+  # estimate 0.395 -> ~0.30 ms; ptxas: 255 registers and ~640 B spilled either way at 4 warps)
+  for ov in "--set dv_all_v=1" "--set warps_dv=8" "--set dv_all_v=1 --set warps_dv=8"; do
+    echo "### profile $ov"
+    timeout 60 python3 benchmarks/profile_kernels.py --no-sdpa --shape 8x2048:16:128 --shape 4x4096:16:128 \
+        $ov 2>&1 | grep -E "^##|ms .*%|Error" || true
   done ;;
 quality)    # runs of the GPU recipe, one after another (two processes sharing the GPU ran
             # 4-5x slower each: NOTES, session 4); each NAME:OVERRIDES gets runs/NAME and

@@ -952,8 +952,10 @@ def _bwd_dv_kernel(q, k, g, do, dhbuf, dv, cu_seqlens, chunk_offsets, chunk_indi
                    VS: tl.constexpr, VO: tl.constexpr, NORM: tl.constexpr,
                    BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, NK: tl.constexpr,
                    R: tl.constexpr, IS_VARLEN: tl.constexpr, DOT_BF16: tl.constexpr,
-                   PREC: tl.constexpr, SLOW_BLOCKS: tl.constexpr):
-    """dv = (k 2^{G_last - G}) dh_{n+1} + s * sum_heads mask(P)^T do, one chunk, one V tile."""
+                   PREC: tl.constexpr, SLOW_BLOCKS: tl.constexpr, ALL_V: tl.constexpr = 0):
+    """dv = (k 2^{G_last - G}) dh_{n+1} + s * sum_heads mask(P)^T do, one chunk, one V tile.
+    ALL_V > 0 (one query head per KV head, one K tile): one program per chunk walks ALL_V
+    V tiles with P built once, instead of one program per V tile each rebuilding it."""
     i_v = tl.program_id(0)
     i_c = tl.program_id(1)
     i_h = tl.program_id(2)
@@ -980,6 +982,20 @@ def _bwd_dv_kernel(q, k, g, do, dhbuf, dv, cu_seqlens, chunk_offsets, chunk_indi
             k_e = b_k                                       # unused
             k_end = b_k * tl.exp2(G_last[None, :] - G)
         k_e = _op(k_e, DOT_BF16)
+    if ALL_V > 0:
+        b_q = _load_rows(q + i_h * K, t0, n_valid, H * K, 0, K, BT, BK).to(tl.float32)
+        if fast:
+            P = _mm(b_q * e_q, tl.trans(k_e), DOT_BF16, PREC)
+        else:
+            P = _scores_slow(b_q, b_k, gp, t0, n_valid, Hkv * K, 0, K, BT, BK, DOT_BF16, PREC, SLOW_BLOCKS)
+        P = _op(tl.trans(tl.where(causal, P * scale, 0.0)), DOT_BF16)
+        k_end = _op(k_end, DOT_BF16)
+        for i_v in range(ALL_V):
+            b_dh1 = _load_state(dhbuf + st_next, 0, i_v * BV, K, V, VS, BK, BV)
+            b_do = _load_rows(do + i_h * VO, t0, n_valid, H * VO, i_v * BV, V, BT, BV)
+            b_dv = _mm(k_end, b_dh1, DOT_BF16, PREC) + _mm(P, b_do, DOT_BF16, PREC)
+            _store_rows(dv + i_h * V, b_dv, t0, n_valid, Hkv * V, i_v * BV, V, BT, BV)
+    elif NK == 1:
         b_dh1 = _load_state(dhbuf + st_next, 0, v0, K, V, VS, BK, BV)
         b_dv = _mm(k_end, b_dh1, DOT_BF16, PREC)
         for r in range(R):
@@ -1010,7 +1026,8 @@ def _bwd_dv_kernel(q, k, g, do, dhbuf, dv, cu_seqlens, chunk_offsets, chunk_indi
             P = tl.where(causal, P * scale, 0.0)
             b_do = _load_rows(do + hq * VO, t0, n_valid, H * VO, v0, V, BT, BV)
             b_dv += _mm(tl.trans(P), b_do, DOT_BF16, PREC)
-    _store_rows(dv + i_h * V, b_dv, t0, n_valid, Hkv * V, v0, V, BT, BV)
+    if ALL_V == 0:
+        _store_rows(dv + i_h * V, b_dv, t0, n_valid, Hkv * V, v0, V, BT, BV)
 
 
 # ----------------------------------------------------------------------------------------
@@ -1273,6 +1290,10 @@ class _Config:
         # forward). fp32 operands (fp16/fp32 inputs) spill heavily at 4 warps: 8 there.
         self.warps_seq = 4 if dtype == torch.bfloat16 else 8
         self.warps_dh = None                           # the dh pass's own, when set (tuning)
+        # dv kernel: with one query head per KV head and K in one tile, one program per chunk
+        # over every V tile (P built once) instead of one per V tile (tuning, off: session
+        # 12 estimate for D128, 0.395 -> ~0.30 ms at 8x2048 H16, not yet measured)
+        self.dv_all_v = 0
         self.stages_seq = 2
         # bf16 output kernels: 4 warps measured faster on the H200 at D = 64 and 128.
         small = self.BT * max(self.BK_o, self.BV_o) < 64 * 64
@@ -1488,10 +1509,11 @@ def _backward(q, k, v, g, scale, hbuf, meta, do, dht, want_dh0):
         WITH_DV=cfg.merge_dv, SLOW_BLOCKS=cfg.slow_blocks, **common,
         **_opts(cfg.warps_g, cfg.stages_chunk, cfg.regs_g))
     if not cfg.merge_dv:
-        _bwd_dv_kernel[(cfg.NV_o, total, Hkv)](
+        all_v = cfg.NV_o if cfg.dv_all_v and R == 1 and cfg.NK_o == 1 and cfg.NV_o > 1 else 0
+        _bwd_dv_kernel[(1 if all_v else cfg.NV_o, total, Hkv)](
             q, k, g, do, dhbuf, dv, cu, offsets, indices, T, scale,
             H=H, Hkv=Hkv, K=K, V=V, BT=cfg.BT, BK=cfg.BK_o, BV=cfg.BV_o, NK=cfg.NK_o, R=R,
-            SLOW_BLOCKS=cfg.slow_blocks, **common,
+            SLOW_BLOCKS=cfg.slow_blocks, ALL_V=all_v, **common,
             **_opts(cfg.warps_dv, cfg.stages_chunk, cfg.regs_dv))
     return dq, dk, dv, dg, dh0
 

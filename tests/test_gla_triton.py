@@ -388,6 +388,29 @@ def test_normalizer_chain_keeps_padded_rows(monkeypatch):
 
 
 @needs_kernels
+@pytest.mark.parametrize("gate", ["normal", "bursty"])
+def test_dv_all_v_tuning_path(monkeypatch, gate):
+    """dv_all_v=1 (a tuning knob, off by default): the dv kernel as one program per chunk over
+    both V tiles, P built once (fast and exact paths), gives the same output and gradients,
+    with packed documents and the normaliser too."""
+    monkeypatch.setitem(gla_triton.OVERRIDES, "dv_all_v", 1)
+    launches = []
+    real = gla_triton._bwd_dv_kernel
+
+    class Spy:
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                launches.append((grid, kwargs["ALL_V"]))
+                return real[grid](*args, **kwargs)
+            return launch
+    monkeypatch.setattr(gla_triton, "_bwd_dv_kernel", Spy())
+    # K = V = 80: the dv kernel sees all of K in one tile and V in two of 64
+    run_and_compare(B=1, T=100, H=2, Hkv=2, K=80, V=80, gate=gate)
+    run_and_compare(B=1, T=100, H=2, Hkv=2, K=80, V=80, gate=gate, seqs=[37, 63], normalizer=True)
+    assert launches and all(grid[0] == 1 and all_v == 2 for grid, all_v in launches), launches
+
+
+@needs_kernels
 def test_custom_scale():
     run_and_compare(B=1, T=30, H=2, Hkv=1, K=16, V=16, scale=0.3)
 
@@ -585,6 +608,16 @@ def test_register_cap_reaches_the_compiler():
     assert rows["_bwd_dqkg_kernel"]["regs"] <= 96
     assert "maxnreg" not in rows["_fwd_output_kernel"]
     assert rows["_fwd_output_kernel"]["regs"] > 96     # uncapped: 128 registers (ptxas, sm_90)
+
+
+@pytest.mark.slow
+def test_dv_all_v_compiles_for_hopper():
+    """The dv_all_v tuning path (interpreter-tested above) also builds for sm_90 at the head
+    dim it is meant for (D128, bf16): one program per chunk over both V tiles."""
+    rows = _compile_report([("bf16", 1, 256, 2, 2, 128, 128, None)], [], {"dv_all_v": 1})
+    dv = [r for r in rows if r["kernel"] == "_bwd_dv_kernel"]
+    assert dv and dv[0]["ALL_V"] == 2 and dv[0]["grid"].startswith("(1,"), dv
+    assert dv[0]["regs"] is not None, dv
 
 
 # ---------------------------------------------------------------------------------------
