@@ -446,7 +446,8 @@ def ptxas_report(cases=PTXAS_CASES, arch=90, out=sys.stdout, layer_cases=PTXAS_L
                      torch.zeros(1, T, H, D * (1 + pm), dtype=dtype)),
                     # o as fused_chunk_gla returns it: rows padded to 8 values
                     (normalizer_triton._Normalize,
-                     (torch.zeros(1, T, H, -(-(D + 1) // 8) * 8, dtype=dtype)[..., :D + 1], 1e-6), x),
+                     (torch.zeros(1, T, H, gla_triton._state_stride(D, True), dtype=dtype)[..., :D + 1],
+                      1e-6), x),
                     (gate_triton._Gate, (x, 16.0, 1 + pm), torch.zeros(1, T, H, D * (1 + pm), dtype=dtype))):
                 ctx = _Ctx()
                 fn.forward(ctx, *args)
@@ -514,8 +515,7 @@ def ptxas_report(cases=PTXAS_CASES, arch=90, out=sys.stdout, layer_cases=PTXAS_L
         # global loads by vector width (1, 2, 4 registers): scalar loads of a tile mean its
         # rows were not provably 16-byte aligned (e.g. an odd row stride)
         ptx = compiled.asm["ptx"]
-        loads = {w: len(re.findall(r"\bld\.global%s[.a-z0-9]*\s" % ("" if w == 1 else rf"(?:\.[a-z]+)*\.v{w}"), ptx))
-                 for w in (2, 4)}
+        loads = {w: len(re.findall(rf"\bld\.global(?:\.[a-z]+)*\.v{w}[.a-z0-9]*\s", ptx)) for w in (2, 4)}
         loads[1] = len(re.findall(r"\bld\.global[.a-z0-9]*\s", ptx)) - loads[2] - loads[4]
         shown = {k: v for k, v in constexprs.items()
                  if k in ("K", "V", "BT", "BK", "BV", "R", "NK", "NV", "WITH_DV", "ALL_V", "IS_VARLEN",

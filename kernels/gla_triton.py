@@ -526,9 +526,8 @@ def _fwd_state_kernel(k, v, g, h0, ht, hbuf, dec, segend, cu_seqlens, chunk_offs
 @triton.jit
 def _seg_combine_kernel(buf, dec, segend, hfinal, cu_seqlens, chunk_offsets, seg_offsets, T,
                         seg_len, n_seg,
-                        Hkv: tl.constexpr, K: tl.constexpr, V: tl.constexpr, VS: tl.constexpr,
-                        VU: tl.constexpr, BT: tl.constexpr,
-                        BK: tl.constexpr, BV: tl.constexpr, REVERSE: tl.constexpr,
+                        Hkv: tl.constexpr, K: tl.constexpr, V: tl.constexpr, VU: tl.constexpr,
+                        BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, REVERSE: tl.constexpr,
                         STORE_FINAL: tl.constexpr, IS_VARLEN: tl.constexpr):
     """Chains the segments of one sequence (one K tile, V tile, KV head): a walk over the
     few segments, not the chunks. Forward: the true state at the end of segment s is
@@ -536,10 +535,9 @@ def _seg_combine_kernel(buf, dec, segend, hfinal, cu_seqlens, chunk_offsets, seg
     first segment started from h0, so its end is already true); the last one is ht.
     REVERSE (dh pass): the same from the last segment down, written at each segment's first
     slot; the first segment's start is dh0.
-    V: the state columns handled, VS: the row stride of buf and segend, VU: the width and
-    row stride of hfinal (the caller's [.., K, VU]). With the normaliser's padded rows the
-    caller passes V = VS: the pad columns are chained too (never read elsewhere), which
-    keeps every column group 16-byte aligned and the loads vectorised."""
+    V: the row width of buf and segend, every column handled (with the normaliser's padded
+    rows the pad columns are chained too, never read elsewhere: a mask inside an 8-column
+    group would force scalar loads); VU: the width of hfinal (the caller's [.., K, VU])."""
     i_k = tl.program_id(0)
     i_v = tl.program_id(1)
     i_nh = tl.program_id(2)
@@ -559,34 +557,33 @@ def _seg_combine_kernel(buf, dec, segend, hfinal, cu_seqlens, chunk_offsets, seg
     mk = rk < K
     base = c0 + i_n
     if REVERSE:
-        b_h = _load_state(segend + ((s0 + S - 1) * Hkv + i_h).to(tl.int64) * K * VS,
-                          k0, v0, K, V, VS, BK, BV)
+        b_h = _load_state(segend + ((s0 + S - 1) * Hkv + i_h).to(tl.int64) * K * V,
+                          k0, v0, K, V, V, BK, BV)
         slot = base + (S - 1) * seg_len
-        _store_state(buf + (slot * Hkv + i_h) * K * VS, b_h, k0, v0, K, V, VS, BK, BV)
+        _store_state(buf + (slot * Hkv + i_h) * K * V, b_h, k0, v0, K, V, V, BK, BV)
         for i in range(1, S):
             slot = base + (S - 1 - i) * seg_len
             a = tl.exp2(tl.load(dec + (slot * Hkv + i_h) * K + rk, mask=mk, other=0.0))
-            sp = segend + ((s0 + S - 1 - i) * Hkv + i_h).to(tl.int64) * K * VS
-            b_h = a[:, None] * b_h + _load_state(sp, k0, v0, K, V, VS, BK, BV)
-            _store_state(buf + (slot * Hkv + i_h) * K * VS, b_h, k0, v0, K, V, VS, BK, BV)
+            sp = segend + ((s0 + S - 1 - i) * Hkv + i_h).to(tl.int64) * K * V
+            b_h = a[:, None] * b_h + _load_state(sp, k0, v0, K, V, V, BK, BV)
+            _store_state(buf + (slot * Hkv + i_h) * K * V, b_h, k0, v0, K, V, V, BK, BV)
     else:
-        b_h = _load_state(segend + (s0 * Hkv + i_h).to(tl.int64) * K * VS, k0, v0, K, V, VS, BK, BV)
+        b_h = _load_state(segend + (s0 * Hkv + i_h).to(tl.int64) * K * V, k0, v0, K, V, V, BK, BV)
         slot = base + tl.minimum(NT, seg_len)
-        _store_state(buf + (slot * Hkv + i_h) * K * VS, b_h, k0, v0, K, V, VS, BK, BV)
+        _store_state(buf + (slot * Hkv + i_h) * K * V, b_h, k0, v0, K, V, V, BK, BV)
         for s in range(1, S):
             slot = base + tl.minimum(NT, (s + 1) * seg_len)
             a = tl.exp2(tl.load(dec + (slot * Hkv + i_h) * K + rk, mask=mk, other=0.0))
             b_h = a[:, None] * b_h + _load_state(
-                segend + ((s0 + s) * Hkv + i_h).to(tl.int64) * K * VS, k0, v0, K, V, VS, BK, BV)
-            _store_state(buf + (slot * Hkv + i_h) * K * VS, b_h, k0, v0, K, V, VS, BK, BV)
+                segend + ((s0 + s) * Hkv + i_h).to(tl.int64) * K * V, k0, v0, K, V, V, BK, BV)
+            _store_state(buf + (slot * Hkv + i_h) * K * V, b_h, k0, v0, K, V, V, BK, BV)
     if STORE_FINAL:
         _store_state(hfinal + i_nh.to(tl.int64) * K * VU, b_h, k0, v0, K, VU, VU, BK, BV)
 
 
 @triton.jit
 def _seg_fixup_kernel(buf, dec, cu_seqlens, chunk_offsets, chunk_indices, T, seg_len,
-                      Hkv: tl.constexpr, K: tl.constexpr, V: tl.constexpr, VS: tl.constexpr,
-                      BT: tl.constexpr,
+                      Hkv: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
                       BK: tl.constexpr, BV: tl.constexpr, NK: tl.constexpr, NV: tl.constexpr,
                       REVERSE: tl.constexpr, IS_VARLEN: tl.constexpr):
     """Turns the local state of one chunk slot into the true one, all chunks in parallel:
@@ -614,11 +611,11 @@ def _seg_fixup_kernel(buf, dec, cu_seqlens, chunk_offsets, chunk_indices, T, seg
             rk = i_k * BK + tl.arange(0, BK)
             a = tl.exp2(tl.load(dec + (slot * Hkv + i_h) * K + rk, mask=rk < K, other=0.0))
             for i_v in range(NV):
-                sp = buf + (slot * Hkv + i_h) * K * VS
-                ap = buf + (aslot * Hkv + i_h) * K * VS
-                x = (_load_state(sp, i_k * BK, i_v * BV, K, V, VS, BK, BV)
-                     + a[:, None] * _load_state(ap, i_k * BK, i_v * BV, K, V, VS, BK, BV))
-                _store_state(sp, x, i_k * BK, i_v * BV, K, V, VS, BK, BV)
+                sp = buf + (slot * Hkv + i_h) * K * V
+                ap = buf + (aslot * Hkv + i_h) * K * V
+                x = (_load_state(sp, i_k * BK, i_v * BV, K, V, V, BK, BV)
+                     + a[:, None] * _load_state(ap, i_k * BK, i_v * BV, K, V, V, BK, BV))
+                _store_state(sp, x, i_k * BK, i_v * BV, K, V, V, BK, BV)
 
 
 @triton.jit
@@ -1465,11 +1462,11 @@ def _chain_segments(cfg, seg, buf, dec, segend, final, cu, offsets, indices, T, 
     NV = _cdiv(VS, cfg.BV_seq)
     _seg_combine_kernel[(cfg.NK_seq, NV, N * Hkv)](
         buf, dec, segend, final, cu, offsets, seg.offsets, T, seg.seg_len, seg.n_seg,
-        Hkv=Hkv, K=K, V=VS, VS=VS, VU=V, BT=cfg.BT, BK=cfg.BK_seq, BV=cfg.BV_seq,
+        Hkv=Hkv, K=K, V=VS, VU=V, BT=cfg.BT, BK=cfg.BK_seq, BV=cfg.BV_seq,
         REVERSE=reverse, STORE_FINAL=final is not None, IS_VARLEN=IS_VARLEN, num_warps=4)
     _seg_fixup_kernel[(total, Hkv)](
         buf, dec, cu, offsets, indices, T, seg.seg_len,
-        Hkv=Hkv, K=K, V=VS, VS=VS, BT=cfg.BT, BK=cfg.BK_seq, BV=cfg.BV_seq, NK=cfg.NK_seq,
+        Hkv=Hkv, K=K, V=VS, BT=cfg.BT, BK=cfg.BK_seq, BV=cfg.BV_seq, NK=cfg.NK_seq,
         NV=NV, REVERSE=reverse, IS_VARLEN=IS_VARLEN, num_warps=4)
 
 

@@ -26,7 +26,7 @@ try:
 except ImportError:
     raise
 
-from .gla_triton import _cdiv, _new, _next_pow2, _row_stride  # _new: NaN-filled under POISON
+from .gla_triton import _cdiv, _new, _next_pow2, _row_stride, _state_stride  # _new: NaN under POISON
 
 _ROWS = 64
 
@@ -86,9 +86,9 @@ class _Normalize(torch.autograd.Function):
         (o,) = ctx.saved_tensors
         V = o.shape[-1] - 1
         rows = o.numel() // (V + 1)
-        # the gradient in padded rows too (a view of V + 1 columns): fused_chunk_gla's
+        # the gradient in the rows fused_chunk_gla pads o to (a view of V + 1 columns): its
         # backward then reads it with vector loads instead of copying it
-        rd = _cdiv(V + 1, 8) * 8
+        rd = _state_stride(V, True)
         do = _new(o.shape[:-1] + (rd,), o.dtype, o.device)[..., :V + 1]
         BV = max(16, _next_pow2(V))
         _normalize_bwd_kernel[(_cdiv(rows, _ROWS),)](o, dout.contiguous(), do, rows, ctx.eps,
