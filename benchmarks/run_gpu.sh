@@ -27,6 +27,9 @@
 #   bash benchmarks/run_gpu.sh regs          # per-kernel times under register caps (regs_*)
 #   bash benchmarks/run_gpu.sh next14        # launch settings re-swept at chunks of 32 (D64), per kernel
 #   bash benchmarks/run_gpu.sh next15        # session 12's unmeasured half: GPU tests, tables, 1B step
+#   bash benchmarks/run_gpu.sh next16a       # next15 split to fit 600 s calls: GPU tests + D64/+norm table
+#   bash benchmarks/run_gpu.sh next16b       # ... then the profiles, the 1B step and the variants
+#   bash benchmarks/run_gpu.sh next17        # session 13's defaults: GPU tests they touch, full table, variants
 #   bash benchmarks/run_gpu.sh quality "NAME:OVERRIDES" ...  # GPU recipe runs, in turn
 #       (after the payload steps; call again to resume the unfinished ones)
 #   bash benchmarks/run_gpu.sh quality-par "NAME:OVERRIDES" ...  # the same at once, one GPU each
@@ -326,6 +329,35 @@ next15)     # session 12 measured the normaliser's padded state rows (+norm f+b 
     echo "### profile $ov"
     timeout 60 python3 benchmarks/profile_kernels.py --no-sdpa --shape 8x2048:16:128 --shape 4x4096:16:128 \
         $ov 2>&1 | grep -E "^##|ms .*%|Error" || true
+  done ;;
+next16a)    # next15's first half (its whole ran past one call's 600 s)
+  gpu_tests 380
+  timeout 120 python3 benchmarks/bench_kernels.py --only glaswap --match "H32 D64" --match "+norm" \
+      --json "$OUT/table.json" 2>&1 | tee "$OUT/table.log" | grep -E "^(shape|[0-9]+x|  CHECK)" || true ;;
+next16b)    # next15's second half
+  timeout 80 python3 benchmarks/profile_kernels.py --no-sdpa --shape 8x2048:32:64+norm \
+      --shape 1x16384:32/8:64+norm --shape 1x16384:9/3:128x64+norm 2>&1 | grep -E "^##|ms .*%|Error" || true
+  timeout 150 python3 benchmarks/bench_distill.py --shapes llama-3.2-1b \
+      --json "$OUT/distill-1b.json" 2>&1 | tail -7 || true
+  for ov in "--set warps_dh=2" "--set BK_g=32" "--set BK_g=32 --set warps_g=2" \
+            "--set dv_all_v=1" "--set dv_all_v=1 --set warps_dv=8"; do
+    echo "### profile $ov"
+    timeout 50 python3 benchmarks/profile_kernels.py --no-sdpa --shape 8x2048:32:64 --shape 4x4096:32:64 \
+        --shape 8x2048:16:128 $ov 2>&1 | grep -E "^##|ms .*%|Error" || true
+  done ;;
+next17)     # session 13's new defaults (dh pass on 2 warps at D <= 64, dv_all_v for bf16): the
+            # whole table with SDPA, the GPU tests of the bf16 paths they touch, then variants
+  timeout 200 python3 benchmarks/bench_kernels.py --json "$OUT/table.json" 2>&1 | tee "$OUT/table.log" \
+      | grep -E "^(shape|[0-9]+x|  CHECK)" || true
+  timeout 150 python3 -m pytest -q -rfE -p no:cacheprovider -m gpu tests/test_gla_triton.py \
+      -k "test_gpu_bf16 and not chunk64 and not odd" 2>&1 | tail -4 || true
+  # D128: dq/dk/dg with all of K in one tile (dP built once; never measured), and with V too
+  # (dv merged in: no separate dv kernel); the +norm rows with the dh pass back on 4 warps
+  for ov in "--shape 8x2048:16:128 --set BK_g=128" "--shape 8x2048:16:128 --set BK_g=128 --set BV_g=128" \
+            "--shape 8x2048:32:64+norm --shape 1x16384:32/8:64+norm" \
+            "--shape 8x2048:32:64+norm --shape 1x16384:32/8:64+norm --set warps_dh=4"; do
+    echo "### profile $ov"
+    timeout 40 python3 benchmarks/profile_kernels.py --no-sdpa $ov 2>&1 | grep -E "^##|ms .*%|Error" || true
   done ;;
 quality)    # runs of the GPU recipe, one after another (two processes sharing the GPU ran
             # 4-5x slower each: NOTES, session 4); each NAME:OVERRIDES gets runs/NAME and

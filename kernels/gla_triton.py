@@ -1288,9 +1288,10 @@ class _Config:
         self.warps_seq = 4 if dtype == torch.bfloat16 else 8
         self.warps_dh = None                           # the dh pass's own, when set (tuning)
         # dv kernel: with one query head per KV head and K in one tile, one program per chunk
-        # over every V tile (P built once) instead of one per V tile (tuning, off: session
-        # 12 estimate for D128, 0.395 -> ~0.30 ms at 8x2048 H16, not yet measured)
-        self.dv_all_v = 0
+        # over every V tile (P built once) instead of one per V tile. H200, bf16, 8x2048 H16
+        # D128: dv 0.395 -> 0.249 ms, f+b 2.09 -> 1.81 (8 warps: 0.345). fp16/fp32 operands
+        # (twice the registers per tile) were not measured: they keep one program per tile.
+        self.dv_all_v = 1 if dtype == torch.bfloat16 else 0
         self.stages_seq = 2
         # bf16 output kernels: 4 warps measured faster on the H200 at D = 64 and 128.
         small = self.BT * max(self.BK_o, self.BV_o) < 64 * 64
@@ -1328,6 +1329,12 @@ class _Config:
             # fp16/fp32 were not measured, nor the dv kernel on 2 warps: they keep the above.
             if self.dot_bf16 and K <= 64:
                 self.warps_o = 2
+                # The dh pass alone on 2 warps (the state pass is slower there): session 13,
+                # 4x4096 H32 D64 0.178 -> 0.155 ms, 8x2048 0.146 -> 0.144. Not with the
+                # normaliser (8x2048 +norm 0.232 -> 0.282) nor at D128 (chunks of 64, not
+                # this branch: 0.207 -> 0.345).
+                if not normalizer:
+                    self.warps_dh = 2
             if self.dot_bf16 and self.BK_g == 32:
                 self.warps_g = 2
         self.state_dtype = torch.bfloat16 if dtype == torch.bfloat16 else torch.float32

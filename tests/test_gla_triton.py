@@ -390,9 +390,9 @@ def test_normalizer_chain_keeps_padded_rows(monkeypatch):
 @needs_kernels
 @pytest.mark.parametrize("gate", ["normal", "bursty"])
 def test_dv_all_v_tuning_path(monkeypatch, gate):
-    """dv_all_v=1 (a tuning knob, off by default): the dv kernel as one program per chunk over
-    both V tiles, P built once (fast and exact paths), gives the same output and gradients,
-    with packed documents and the normaliser too."""
+    """dv_all_v=1 (the bf16 default; forced here for the interpreter's fp32): the dv kernel as
+    one program per chunk over both V tiles, P built once (fast and exact paths), gives the
+    same output and gradients, with packed documents and the normaliser too."""
     monkeypatch.setitem(gla_triton.OVERRIDES, "dv_all_v", 1)
     launches = []
     real = gla_triton._bwd_dv_kernel
@@ -612,9 +612,9 @@ def test_register_cap_reaches_the_compiler():
 
 @pytest.mark.slow
 def test_dv_all_v_compiles_for_hopper():
-    """The dv_all_v tuning path (interpreter-tested above) also builds for sm_90 at the head
-    dim it is meant for (D128, bf16): one program per chunk over both V tiles."""
-    rows = _compile_report([("bf16", 1, 256, 2, 2, 128, 128, None)], [], {"dv_all_v": 1})
+    """The dv_all_v path (interpreter-tested above) is what bf16 builds for sm_90 at the head
+    dim it is meant for (D128): one program per chunk over both V tiles."""
+    rows = _compile_report([("bf16", 1, 256, 2, 2, 128, 128, None)], [], {})
     dv = [r for r in rows if r["kernel"] == "_bwd_dv_kernel"]
     assert dv and dv[0]["ALL_V"] == 2 and dv[0]["grid"].startswith("(1,"), dv
     assert dv[0]["regs"] is not None, dv
