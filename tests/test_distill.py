@@ -341,8 +341,10 @@ def test_extra_eval_sets_are_reported_apart_and_survive_resume(tmp_path):
     # a set shorter than one block is refused in one line, before any training
     np.savez(tmp_path / "short.npz", ids=np.arange(10, dtype=np.uint16), doc_lens=np.array([10]))
     short = [f"data.extra_eval=[{{name: short, sources: [{{path: {tmp_path / 'short.npz'}}}]}}]"]
-    with pytest.raises(GlaswapError, match="extra_eval 'short' has 10 tokens, fewer than one block"):
-        distill(load_recipe(path, short), out=tmp_path / "short_run", log=_quiet)
+    for _ in range(2):   # the refused run leaves no work folder: the same command runs again
+        with pytest.raises(GlaswapError, match="extra_eval 'short' has 10 tokens, fewer than one block"):
+            distill(load_recipe(path, short), out=tmp_path / "short_run", log=_quiet)
+        assert not (tmp_path / "short_run.run").exists() and not (tmp_path / "short_run").exists()
 
 
 # ----------------------------------------------------------------------------- bad input

@@ -395,6 +395,7 @@ def _distill(recipe: Recipe, out, resume: bool, force: bool, log, stop_after, di
 
     out, run = _paths(recipe, out)
     _check_folders(out, run, resume, force)   # every rank: they all see the same folders
+    fresh = force or not run.exists()         # this call creates the run folder
     _check_data_paths(recipe)
     dist.barrier()
     device, dtype = _device_dtype(recipe, dist)
@@ -421,28 +422,18 @@ def _distill(recipe: Recipe, out, resume: bool, force: bool, log, stop_after, di
     converted = run / "converted"
     step0 = json.loads((converted / "glaswap.json").read_text()).get("step0", {})
 
-    tokenizer = _load_tokenizer(converted, recipe)
-    vocab = json.loads((converted / "config.json").read_text())["vocab_size"]
-    train_tokens = D.load_sources(recipe.data.train, tokenizer, log, vocab)
-    if train_tokens.n_tokens == 0:
-        raise GlaswapError("data.train holds no text (0 tokens); check the sources in the recipe")
-    train_tokens, heldout = D.split_heldout(train_tokens, recipe.data.heldout_fraction)
-    eval_tokens = D.load_sources(recipe.data.eval, tokenizer, log, vocab) if recipe.data.eval else heldout
-    blocks = D.PackedBlocks(train_tokens, recipe.data.seq_len)
-    eval_blocks = D.PackedBlocks(eval_tokens, recipe.data.seq_len) if eval_tokens.n_tokens else None
-    if len(blocks) == 0:
-        raise GlaswapError(f"data.train has {train_tokens.n_tokens} tokens, fewer than one block of "
-                           f"data.seq_len={recipe.data.seq_len}; add text or lower seq_len")
-    log(f"data: {train_tokens.n_tokens:,} training tokens ({len(blocks):,} blocks of {recipe.data.seq_len}), "
-        f"{heldout.n_tokens:,} held out, {eval_tokens.n_tokens:,} for evaluation")
-    extra_blocks = {}
-    for extra in recipe.data.extra_eval:
-        toks = D.load_sources(extra.sources, tokenizer, log, vocab)
-        extra_blocks[extra.name] = D.PackedBlocks(toks, recipe.data.seq_len)
-        if len(extra_blocks[extra.name]) == 0:
-            raise GlaswapError(f"data.extra_eval {extra.name!r} has {toks.n_tokens} tokens, fewer than one "
-                               f"block of data.seq_len={recipe.data.seq_len}; add text or lower seq_len")
-        log(f"data: {toks.n_tokens:,} tokens for evaluation set {extra.name!r}")
+    try:
+        tokenizer, data = _load_data(converted, recipe, log)
+    except GlaswapError:
+        # Refused before any training (empty data, a set shorter than one block, no tokenizer):
+        # a run folder this call created holds only the conversion, so it goes, and the same
+        # command works again once the recipe is fixed (no --force needed). Under torchrun
+        # the other ranks may still be reading it: the folder stays there.
+        if fresh and dist.world == 1:
+            shutil.rmtree(run, ignore_errors=True)
+        raise
+    train_tokens, heldout, eval_tokens = data["train"], data["heldout"], data["eval"]
+    blocks, eval_blocks, extra_blocks = data["blocks"], data["eval_blocks"], data["extra_blocks"]
 
     torch.manual_seed(recipe.train.seed)
     # FSDP shards need one dtype per layer: keep float32 there and gather in the compute dtype.
@@ -594,6 +585,36 @@ def lora_inputs_in_compute_dtype(model):
             module.cast_input_dtype_enabled = False
             n += 1
     return n
+
+
+
+def _load_data(converted: Path, recipe: Recipe, log):
+    """Tokenizer and every data set of the recipe, packed into blocks; GlaswapError (one line)
+    when one is empty or shorter than one block."""
+    tokenizer = _load_tokenizer(converted, recipe)
+    vocab = json.loads((converted / "config.json").read_text())["vocab_size"]
+    train_tokens = D.load_sources(recipe.data.train, tokenizer, log, vocab)
+    if train_tokens.n_tokens == 0:
+        raise GlaswapError("data.train holds no text (0 tokens); check the sources in the recipe")
+    train_tokens, heldout = D.split_heldout(train_tokens, recipe.data.heldout_fraction)
+    eval_tokens = D.load_sources(recipe.data.eval, tokenizer, log, vocab) if recipe.data.eval else heldout
+    blocks = D.PackedBlocks(train_tokens, recipe.data.seq_len)
+    eval_blocks = D.PackedBlocks(eval_tokens, recipe.data.seq_len) if eval_tokens.n_tokens else None
+    if len(blocks) == 0:
+        raise GlaswapError(f"data.train has {train_tokens.n_tokens} tokens, fewer than one block of "
+                           f"data.seq_len={recipe.data.seq_len}; add text or lower seq_len")
+    log(f"data: {train_tokens.n_tokens:,} training tokens ({len(blocks):,} blocks of {recipe.data.seq_len}), "
+        f"{heldout.n_tokens:,} held out, {eval_tokens.n_tokens:,} for evaluation")
+    extra_blocks = {}
+    for extra in recipe.data.extra_eval:
+        toks = D.load_sources(extra.sources, tokenizer, log, vocab)
+        extra_blocks[extra.name] = D.PackedBlocks(toks, recipe.data.seq_len)
+        if len(extra_blocks[extra.name]) == 0:
+            raise GlaswapError(f"data.extra_eval {extra.name!r} has {toks.n_tokens} tokens, fewer than one "
+                               f"block of data.seq_len={recipe.data.seq_len}; add text or lower seq_len")
+        log(f"data: {toks.n_tokens:,} tokens for evaluation set {extra.name!r}")
+    return tokenizer, dict(train=train_tokens, heldout=heldout, eval=eval_tokens, blocks=blocks,
+                           eval_blocks=eval_blocks, extra_blocks=extra_blocks)
 
 
 def _load_tokenizer(converted: Path, recipe: Recipe):
