@@ -30,6 +30,7 @@
 #   bash benchmarks/run_gpu.sh next16a       # next15 split to fit 600 s calls: GPU tests + D64/+norm table
 #   bash benchmarks/run_gpu.sh next16b       # ... then the profiles, the 1B step and the variants
 #   bash benchmarks/run_gpu.sh next17        # session 13's defaults: GPU tests they touch, full table, variants
+#   bash benchmarks/run_gpu.sh next18        # D128: Nsight Compute on the three chunk kernels, seq-pass variants
 #   bash benchmarks/run_gpu.sh quality "NAME:OVERRIDES" ...  # GPU recipe runs, in turn
 #       (after the payload steps; call again to resume the unfinished ones)
 #   bash benchmarks/run_gpu.sh quality-par "NAME:OVERRIDES" ...  # the same at once, one GPU each
@@ -358,6 +359,22 @@ next17)     # session 13's new defaults (dh pass on 2 warps at D <= 64, dv_all_v
             "--shape 8x2048:32:64+norm --shape 1x16384:32/8:64+norm --set warps_dh=4"; do
     echo "### profile $ov"
     timeout 40 python3 benchmarks/profile_kernels.py --no-sdpa $ov 2>&1 | grep -E "^##|ms .*%|Error" || true
+  done ;;
+next18)     # D128 (1.95-2.54x the seed at T <= 8192): a profile before the next redesign. Nsight
+            # Compute on dq/dk/dg (47% of 8x2048 H16 D128), dv and the state pass: stall
+            # reasons, occupancy, spills. Then the sequential passes with V in one tile (256
+            # walks instead of 512, which at 2 programs per SM run in two waves; ptxas, sm_90:
+            # 308 B spilled at 4 warps, none at 8 where only one program fits an SM)
+  timeout 200 ncu --clock-control none -k regex:"^_(bwd_dqkg|bwd_dv|fwd_state)_" --launch-count 3 \
+      --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats \
+      --section MemoryWorkloadAnalysis --section SchedulerStats \
+      python3 benchmarks/profile_kernels.py --ncu --shape 8x2048:16:128 > "$OUT/ncu_d128.txt" 2>&1 || true
+  grep -E "^  _|Duration|Registers Per|Achieved Occupancy|Memory Throughput|Compute \(SM\) Thr|Local Memory Spill|Stall|Issued Warp|No Eligible" \
+      "$OUT/ncu_d128.txt" | head -80
+  for ov in "" "--set BV_seq=128" "--set BV_seq=128 --set warps_seq=8"; do
+    echo "### profile $ov"
+    timeout 60 python3 benchmarks/profile_kernels.py --no-sdpa --shape 8x2048:16:128 --shape 4x4096:16:128 \
+        --shape 2x8192:16:128 $ov 2>&1 | grep -E "^##|ms .*%|Error" || true
   done ;;
 quality)    # runs of the GPU recipe, one after another (two processes sharing the GPU ran
             # 4-5x slower each: NOTES, session 4); each NAME:OVERRIDES gets runs/NAME and

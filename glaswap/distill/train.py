@@ -587,7 +587,6 @@ def lora_inputs_in_compute_dtype(model):
     return n
 
 
-
 def _load_data(converted: Path, recipe: Recipe, log):
     """Tokenizer and every data set of the recipe, packed into blocks; GlaswapError (one line)
     when one is empty or shorter than one block."""
