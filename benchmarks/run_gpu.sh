@@ -371,7 +371,10 @@ next18)     # D128 (1.95-2.54x the seed at T <= 8192): a profile before the next
       python3 benchmarks/profile_kernels.py --ncu --shape 8x2048:16:128 > "$OUT/ncu_d128.txt" 2>&1 || true
   grep -E "^  _|Duration|Registers Per|Achieved Occupancy|Memory Throughput|Compute \(SM\) Thr|Local Memory Spill|Stall|Issued Warp|No Eligible" \
       "$OUT/ncu_d128.txt" | head -80
-  for ov in "" "--set BV_seq=128" "--set BV_seq=128 --set warps_seq=8"; do
+  # ... and the chunk kernels with their V-tile loops software-pipelined (never timed at D128;
+  # ptxas, sm_90: dq/dk/dg shared memory 32 -> 64 KB at 2 stages, spills 268 -> 220 B)
+  for ov in "" "--set BV_seq=128" "--set BV_seq=128 --set warps_seq=8" "--set stages_chunk=2" \
+            "--set stages_chunk=3"; do
     echo "### profile $ov"
     timeout 60 python3 benchmarks/profile_kernels.py --no-sdpa --shape 8x2048:16:128 --shape 4x4096:16:128 \
         --shape 2x8192:16:128 $ov 2>&1 | grep -E "^##|ms .*%|Error" || true
