@@ -110,7 +110,8 @@ def test_kd_loss_chunked_equals_direct():
     w = torch.randn(30, 8)
     labels = torch.randint(0, 30, (50,))
     labels[7] = -100
-    chunked = kd_loss(h_s, h_t, w, labels, ce_weight=0.5, temperature=2.0, chunk_tokens=16)
+    parts = {}
+    chunked = kd_loss(h_s, h_t, w, labels, ce_weight=0.5, temperature=2.0, chunk_tokens=16, parts=parts)
     (g_chunked,) = torch.autograd.grad(chunked, h_s)
     lt, ls = (h_t @ w.t()) / 2, (h_s @ w.t()) / 2
     kl = torch.nn.functional.kl_div(ls.log_softmax(-1), lt.log_softmax(-1), log_target=True, reduction="sum") * 4
@@ -119,6 +120,13 @@ def test_kd_loss_chunked_equals_direct():
     (g_direct,) = torch.autograd.grad(direct, h_s)
     torch.testing.assert_close(chunked, direct, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(g_chunked, g_direct, rtol=1e-5, atol=1e-6)
+    # the two terms apart, as the metrics log gets them (the cross-entropy unweighted)
+    torch.testing.assert_close(parts["kl"], kl.detach() / 50, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(parts["ce"], ce.detach() / 50, rtol=1e-5, atol=1e-6)
+    assert not parts["kl"].requires_grad
+    only_kl = {}
+    kd_loss(h_s, h_t, w, labels, temperature=2.0, chunk_tokens=16, parts=only_kl)
+    assert set(only_kl) == {"kl"}
 
 
 def test_lora_inputs_in_compute_dtype_changes_nothing_under_autocast():
@@ -231,6 +239,10 @@ def test_tiny_distill_end_to_end(tmp_path, variant):
     losses = [r["loss"] for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines())
               if r.get("stage") == 1 and "loss" in r]
     assert len(losses) == 6 and losses[-1] < losses[0], losses
+    # stage 2 (ce_weight 0.1) logs its two terms apart, and the loss is their weighted sum
+    stage2 = [r for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines())
+              if r.get("stage") == 2 and "loss" in r]
+    assert len(stage2) == 4 and all(abs(r["kl"] + 0.1 * r["ce"] - r["loss"]) < 1e-4 * r["loss"] for r in stage2), stage2
     assert load_recipe(out / "recipe.yaml").stage1.steps == 6   # the resolved recipe is a valid recipe
 
     # The saved model (LoRA merged) scores the evaluation text as the trained model did.

@@ -24,29 +24,42 @@ def next_token_labels(input_ids: torch.Tensor, cu_seqlens: torch.Tensor | None) 
 
 
 def _chunk_loss(h_s, h_t, weight, labels, ce_weight: float, temperature: float):
+    """Summed KL(teacher || student) and cross-entropy (zero when unweighted) of one chunk."""
     logits_s = (h_s @ weight.t()).float()
     with torch.no_grad():
         logp_t = F.log_softmax((h_t @ weight.t()).float() / temperature, dim=-1)
     logp_s = F.log_softmax(logits_s / temperature, dim=-1)
     kl = (logp_t.exp() * (logp_t - logp_s)).sum() * temperature ** 2
     if ce_weight:
-        kl = kl + ce_weight * F.cross_entropy(logits_s, labels, ignore_index=-100, reduction="sum")
-    return kl
+        ce = F.cross_entropy(logits_s, labels, ignore_index=-100, reduction="sum")
+    else:
+        ce = torch.zeros_like(kl)
+    return kl, ce
 
 
-def kd_loss(h_student, h_teacher, lm_head_weight, labels, ce_weight=0.0, temperature=1.0, chunk_tokens=4096):
+def kd_loss(h_student, h_teacher, lm_head_weight, labels, ce_weight=0.0, temperature=1.0, chunk_tokens=4096,
+            parts: dict | None = None):
     """Mean over tokens of KL(teacher || student) (+ ce_weight * cross-entropy) from hidden states.
 
     h_student [N, d] carries gradients, h_teacher [N, d] does not; lm_head_weight [V, d].
+    `parts`, when given, receives the two terms apart (detached means over the same tokens,
+    the cross-entropy unweighted and only when ce_weight is set), for the metrics log.
     """
     n = h_student.shape[0]
-    total = h_student.new_zeros((), dtype=torch.float32)
+    kl_sum = h_student.new_zeros((), dtype=torch.float32)
+    ce_sum = h_student.new_zeros((), dtype=torch.float32)
     for start in range(0, n, chunk_tokens):
         end = min(n, start + chunk_tokens)
         args = (h_student[start:end], h_teacher[start:end].detach(), lm_head_weight, labels[start:end],
                 ce_weight, temperature)
         if torch.is_grad_enabled() and h_student.requires_grad:
-            total = total + checkpoint(_chunk_loss, *args, use_reentrant=False)
+            kl, ce = checkpoint(_chunk_loss, *args, use_reentrant=False)
         else:
-            total = total + _chunk_loss(*args)
+            kl, ce = _chunk_loss(*args)
+        kl_sum, ce_sum = kl_sum + kl, ce_sum + ce
+    if parts is not None:
+        parts["kl"] = kl_sum.detach() / n
+        if ce_weight:
+            parts["ce"] = ce_sum.detach() / n
+    total = kl_sum + ce_weight * ce_sum if ce_weight else kl_sum
     return total / n

@@ -223,19 +223,23 @@ def adapters_off(model):
 
 
 def _kd_step(lm, peft_model, batch, cfg):
-    """Stage 2: teacher hidden states (adapters off, softmax) then the student's, KL on logits."""
+    """Stage 2: teacher hidden states (adapters off, softmax) then the student's, KL on logits.
+    With a cross-entropy weight the two terms also come back apart, for the metrics log."""
     ids, cu = batch["input_ids"], batch["cu_seqlens"]
     with torch.no_grad(), adapters_off(lm), lm.attention_mode("softmax"):
         h_t = lm.model(input_ids=ids, cu_seqlens=cu, use_cache=False).last_hidden_state
     h_s = lm.model(input_ids=ids, cu_seqlens=cu, use_cache=False).last_hidden_state
     labels = next_token_labels(ids, cu)
-    return kd_loss(h_s.flatten(0, 1), h_t.flatten(0, 1), lm.lm_head.weight, labels, cfg.ce_weight,
-                   cfg.kd_temperature, cfg.loss_chunk_tokens)
+    parts = {}
+    loss = kd_loss(h_s.flatten(0, 1), h_t.flatten(0, 1), lm.lm_head.weight, labels, cfg.ce_weight,
+                   cfg.kd_temperature, cfg.loss_chunk_tokens, parts=parts)
+    return (loss, parts) if cfg.ce_weight else loss
 
 
 def _run_stage(stage, cfg, step_fn, model_for_grads, optimizer, blocks, recipe, run, start_step, scheduler,
                dist, metrics, device, dtype, stop_after):
-    """The shared loop of both stages: micro-batches, clipping, logging, checkpoints, Ctrl-C."""
+    """The shared loop of both stages: micro-batches, clipping, logging, checkpoints, Ctrl-C.
+    step_fn returns the loss, or (loss, {name: detached term}) to log the terms apart too."""
     if cfg.steps == 0 or start_step >= cfg.steps:
         return
     params = [p for group in optimizer.param_groups for p in group["params"]]
@@ -246,27 +250,33 @@ def _run_stage(stage, cfg, step_fn, model_for_grads, optimizer, blocks, recipe, 
     try:
         for step in range(start_step, cfg.steps):
             t0 = time.time()
-            total = 0.0
+            total, terms = 0.0, {}
             for micro in range(cfg.grad_accum):
                 idx = D.batch_indices(len(blocks), recipe.train.seed + stage, step, micro, cfg.grad_accum,
                                       cfg.batch_size, dist.rank, dist.world)
                 batch = _to_device(blocks.batch(idx), device)
                 with _autocast(device, dtype):
-                    loss = step_fn(batch) / cfg.grad_accum
+                    out = step_fn(batch)
+                loss, parts = out if isinstance(out, tuple) else (out, {})
+                loss = loss / cfg.grad_accum
                 loss.backward()
                 total += loss.detach()
+                for name, value in parts.items():
+                    terms[name] = terms.get(name, 0.0) + value / cfg.grad_accum
             dist.sync_grads(params)
             grad_norm = torch.nn.utils.clip_grad_norm_(params, 1.0)
             optimizer.step()
             scheduler.step()
             model_for_grads.zero_grad(set_to_none=True)  # also the grads this stage does not train
             loss_value = dist.mean(total)
+            terms = {name: dist.mean(value) for name, value in terms.items()}
             dt = time.time() - t0
             tok_s = tokens_per_step / max(dt, 1e-9)
-            bar.set_postfix(loss=f"{loss_value:.4g}", tok_s=f"{tok_s:,.0f}")
+            bar.set_postfix(loss=f"{loss_value:.4g}", **{k: f"{v:.4g}" for k, v in terms.items()},
+                            tok_s=f"{tok_s:,.0f}")
             bar.update(1)
             if (step + 1) % recipe.train.log_every == 0 or step + 1 == cfg.steps:
-                metrics.log(stage=stage, step=step + 1, loss=loss_value, lr=scheduler.get_last_lr()[0],
+                metrics.log(stage=stage, step=step + 1, loss=loss_value, **terms, lr=scheduler.get_last_lr()[0],
                             grad_norm=float(grad_norm), tokens_per_s=tok_s, seconds=dt)
             done = step + 1
             every = recipe.train.checkpoint_every
@@ -330,9 +340,18 @@ def _plot_losses(records, path: Path):
                              (axes[1], 2, "stage 2: LoRA distillation (KL)")):
         rows = [r for r in records if r.get("stage") == stage and "loss" in r]
         if rows:
-            ax.plot([r["step"] for r in rows], [r["loss"] for r in rows], lw=1.2)
+            steps = [r["step"] for r in rows]
+            ax.plot(steps, [r["loss"] for r in rows], lw=1.2, label="loss")
+            # with a cross-entropy weight, stage 2's two terms apart (the loss is kl + w * ce)
+            for name in ("kl", "ce"):
+                if all(name in r for r in rows):
+                    ax.plot(steps, [r[name] for r in rows], lw=0.9, alpha=0.8, label=name)
+            if len(ax.lines) > 1:
+                ax.legend()
+                ax.set_title(title.replace("(KL)", "(KL + weighted CE)"))
             ax.set_yscale("log")
-        ax.set_title(title)
+        if not ax.get_title():
+            ax.set_title(title)
         ax.set_xlabel("step")
         ax.set_ylabel("loss")
         ax.grid(alpha=0.3)
