@@ -26,8 +26,7 @@
 #   bash benchmarks/run_gpu.sh next13        # next12, then per-kernel profiles at D128 (modes 2 and 0)
 #   bash benchmarks/run_gpu.sh regs          # per-kernel times under register caps (regs_*)
 #   bash benchmarks/run_gpu.sh next14        # launch settings re-swept at chunks of 32 (D64), per kernel
-#   bash benchmarks/run_gpu.sh next15        # session 12's unmeasured half: GPU tests, tables, 1B step
-#   bash benchmarks/run_gpu.sh next16a       # next15 split to fit 600 s calls: GPU tests + D64/+norm table
+#   bash benchmarks/run_gpu.sh next16a       # session 12's unmeasured half: GPU tests + D64/+norm table
 #   bash benchmarks/run_gpu.sh next16b       # ... then the profiles, the 1B step and the variants
 #   bash benchmarks/run_gpu.sh next17        # session 13's defaults: GPU tests they touch, full table, variants
 #   bash benchmarks/run_gpu.sh next18        # D128: Nsight Compute on the three chunk kernels, seq-pass variants
@@ -303,39 +302,17 @@ next14)     # session 12: the warps and pipeline stages were chosen at chunks of
     timeout 100 python3 benchmarks/profile_kernels.py --no-sdpa --shape 8x2048:32:64 --shape 4x4096:32:64 \
         --shape 8x2048:32:64+norm --shape 1x16384:32/8:64+norm $ov 2>&1 | grep -E "^##|ms .*%|Error" || true
   done ;;
-next15)     # session 12 measured the normaliser's padded state rows (+norm f+b -21..-31%) but
+next16a)    # session 12 measured the normaliser's padded state rows (+norm f+b -21..-31%) but
             # not its second half: o and its gradient as row-padded views, the segment kernels
-            # on padded columns. GPU tests first (session 12's 170 s were not enough), then the
-            # D64 rows and per-kernel profiles, then the 1B student step (16K target, no margin)
-  gpu_tests 400
-  timeout 120 python3 benchmarks/bench_kernels.py --only glaswap --match "H32 D64" --match "+norm" \
-      --json "$OUT/table.json" 2>&1 | tee "$OUT/table.log" | grep -E "^(shape|[0-9]+x|  CHECK)" || true
-  timeout 80 python3 benchmarks/profile_kernels.py --no-sdpa --shape 8x2048:32:64+norm \
-      --shape 1x16384:32/8:64+norm --shape 1x16384:9/3:128x64+norm 2>&1 | grep -E "^##|ms .*%|Error" || true
-  timeout 150 python3 benchmarks/bench_distill.py --shapes llama-3.2-1b \
-      --json "$OUT/distill-1b.json" 2>&1 | tail -7 || true
-  # the D64 seed target is 1.3% / 2.2% away (1.145 / 1.339 ms): the dh pass alone on 2 warps
-  # (session 12's sweep: 4x4096 0.179 -> 0.157 ms, but the state pass slower), dq/dk/dg with K
-  # tiles of 32 and the dv kernel apart (as the GQA + normaliser rows run, -27% there; ptxas:
-  # 0 B spilled at 4 warps, 112 B at 2), the dv kernel on 2 warps too
-  for ov in "--set warps_dh=2" "--set BK_g=32" "--set BK_g=32 --set warps_g=2" \
-            "--set BK_g=32 --set warps_g=2 --set warps_dv=2"; do
-    echo "### profile $ov"
-    timeout 60 python3 benchmarks/profile_kernels.py --no-sdpa --shape 8x2048:32:64 --shape 4x4096:32:64 \
-        $ov 2>&1 | grep -E "^##|ms .*%|Error" || true
-  done
-  # D128: the dv kernel as one program per chunk over both V tiles, P built once (session 12,
-  # estimate 0.395 -> ~0.30 ms; ptxas: 255 registers and ~640 B spilled either way at 4 warps)
-  for ov in "--set dv_all_v=1" "--set warps_dv=8" "--set dv_all_v=1 --set warps_dv=8"; do
-    echo "### profile $ov"
-    timeout 60 python3 benchmarks/profile_kernels.py --no-sdpa --shape 8x2048:16:128 --shape 4x4096:16:128 \
-        $ov 2>&1 | grep -E "^##|ms .*%|Error" || true
-  done ;;
-next16a)    # next15's first half (its whole ran past one call's 600 s)
+            # on padded columns. GPU tests first (session 12's 170 s were not enough), then
+            # the D64 and +norm rows. (Written as one mode, next15, it needed ~19 minutes of
+            # timeouts, more than a call's 600 s: session 13 split it in two.)
   gpu_tests 380
   timeout 120 python3 benchmarks/bench_kernels.py --only glaswap --match "H32 D64" --match "+norm" \
       --json "$OUT/table.json" 2>&1 | tee "$OUT/table.log" | grep -E "^(shape|[0-9]+x|  CHECK)" || true ;;
-next16b)    # next15's second half
+next16b)    # ... then per-kernel profiles, the 1B student step (16K target, no margin) and the
+            # variants for the last 1-2% at D64 (dh pass on 2 warps, K tiles of 32 for dq/dk/dg)
+            # and for D128 (dv_all_v: one dv program per chunk over both V tiles, P built once)
   timeout 80 python3 benchmarks/profile_kernels.py --no-sdpa --shape 8x2048:32:64+norm \
       --shape 1x16384:32/8:64+norm --shape 1x16384:9/3:128x64+norm 2>&1 | grep -E "^##|ms .*%|Error" || true
   timeout 150 python3 benchmarks/bench_distill.py --shapes llama-3.2-1b \

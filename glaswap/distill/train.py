@@ -343,15 +343,14 @@ def _plot_losses(records, path: Path):
             steps = [r["step"] for r in rows]
             ax.plot(steps, [r["loss"] for r in rows], lw=1.2, label="loss")
             # with a cross-entropy weight, stage 2's two terms apart (the loss is kl + w * ce)
-            for name in ("kl", "ce"):
-                if all(name in r for r in rows):
-                    ax.plot(steps, [r[name] for r in rows], lw=0.9, alpha=0.8, label=name)
-            if len(ax.lines) > 1:
+            terms = [name for name in ("kl", "ce") if all(name in r for r in rows)]
+            for name in terms:
+                ax.plot(steps, [r[name] for r in rows], lw=0.9, alpha=0.8, label=name)
+            if terms:
                 ax.legend()
-                ax.set_title(title.replace("(KL)", "(KL + weighted CE)"))
+                title = title.replace("(KL)", "(KL + weighted CE)")
             ax.set_yscale("log")
-        if not ax.get_title():
-            ax.set_title(title)
+        ax.set_title(title)
         ax.set_xlabel("step")
         ax.set_ylabel("loss")
         ax.grid(alpha=0.3)
