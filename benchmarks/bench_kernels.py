@@ -517,6 +517,10 @@ def ptxas_report(cases=PTXAS_CASES, arch=90, out=sys.stdout, layer_cases=PTXAS_L
         ptx = compiled.asm["ptx"]
         loads = {w: len(re.findall(rf"\bld\.global(?:\.[a-z]+)*\.v{w}[.a-z0-9]*\s", ptx)) for w in (2, 4)}
         loads[1] = len(re.findall(r"\bld\.global[.a-z0-9]*\s", ptx)) - loads[2] - loads[4]
+        # pipelined loops (num_stages > 1) load their tiles with asynchronous copies into
+        # shared memory instead: 16, 8 or 4 bytes each
+        for width, size in ((4, "0x10"), (2, "0x8"), (1, "0x4")):
+            loads[width] += len(re.findall(rf"\bcp\.async\.c[ag]\.shared\.global[^;]*,\s*{size}\b", ptx))
         shown = {k: v for k, v in constexprs.items()
                  if k in ("K", "V", "BT", "BK", "BV", "R", "NK", "NV", "WITH_DV", "ALL_V", "IS_VARLEN",
                           "DOT_BF16", "NORM", "SEGMENTED", "D", "PM", "DW_MODE")}

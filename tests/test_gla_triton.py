@@ -599,6 +599,22 @@ def test_kernels_compile_for_hopper():
 
 
 @pytest.mark.slow
+def test_pipelined_chunk_kernels_fit_hopper_shared_memory():
+    """bf16 chunk kernels run their tile loops in 3 pipeline stages, which multiplies their
+    shared memory (D256 output kernel 40 -> 144 KB): at the largest head dims, with grouped
+    queries and the normaliser, every launch must stay within sm_90's 227 KB a program, or
+    it would fail on the GPU with "out of resources" (the interpreter never sees this)."""
+    cases = [("bf16", 1, 256, 2, 2, 256, 256, None, True),
+             ("bf16", 1, 256, 4, 2, 256, 256, None),
+             ("bf16", 1, 256, 6, 3, 128, 64, None, True)]
+    rows = _compile_report(cases, [])
+    chunk = [r for r in rows if r["kernel"] in ("_fwd_output_kernel", "_bwd_dqkg_kernel", "_bwd_dv_kernel")]
+    assert chunk and all(r["num_stages"] == 3 for r in chunk), chunk
+    assert max(r["smem"] for r in chunk) > 100 * 1024      # the stages are really there
+    assert all(r["smem"] <= 227 * 1024 for r in rows), [(r["kernel"], r["smem"]) for r in rows]
+
+
+@pytest.mark.slow
 def test_register_cap_reaches_the_compiler():
     """`regs_g` (a _Config override for tuning) becomes the ptx .maxnreg of the dq/dk/dg
     launch only: ptxas then holds that kernel to the cap, the others keep their own counts."""
