@@ -30,6 +30,8 @@
 #   bash benchmarks/run_gpu.sh next16b       # ... then the profiles, the 1B step and the variants
 #   bash benchmarks/run_gpu.sh next17        # session 13's defaults: GPU tests they touch, full table, variants
 #   bash benchmarks/run_gpu.sh next18        # D128: Nsight Compute on the three chunk kernels, seq-pass variants
+#   bash benchmarks/run_gpu.sh next19a       # session 14's 3 stages: every GPU test, the 1B step
+#   bash benchmarks/run_gpu.sh next19b       # ... the whole kernel table
 #   bash benchmarks/run_gpu.sh quality "NAME:OVERRIDES" ...  # GPU recipe runs, in turn
 #       (after the payload steps; call again to resume the unfinished ones)
 #   bash benchmarks/run_gpu.sh quality-par "NAME:OVERRIDES" ...  # the same at once, one GPU each
@@ -356,6 +358,16 @@ next18)     # D128 (1.95-2.54x the seed at T <= 8192): a profile before the next
     timeout 60 python3 benchmarks/profile_kernels.py --no-sdpa --shape 8x2048:16:128 --shape 4x4096:16:128 \
         --shape 2x8192:16:128 $ov 2>&1 | grep -E "^##|ms .*%|Error" || true
   done ;;
+next19a)    # session 14's default (bf16 chunk kernels in 3 pipeline stages), measured only as
+            # kernel sums and cut test runs: every GPU test, then the 1B student step (16K target
+            # 1.5x, met at 1.54x with 1 stage; its layer's kernels 2.168 -> 2.106 ms)
+  gpu_tests 340
+  timeout 150 python3 benchmarks/bench_distill.py --shapes llama-3.2-1b \
+      --json "$OUT/distill-1b.json" 2>&1 | tail -7 || true ;;
+next19b)    # ... and the whole kernel table with SDPA (predicted from the kernel sums: 8x2048 D128
+            # ~1.72 ms, 2.05x the seed; D64 without GQA unchanged)
+  timeout 240 python3 benchmarks/bench_kernels.py --json "$OUT/table.json" 2>&1 | tee "$OUT/table.log" \
+      | grep -E "^(shape|[0-9]+x|  CHECK)" || true ;;
 quality)    # runs of the GPU recipe, one after another (two processes sharing the GPU ran
             # 4-5x slower each: NOTES, session 4); each NAME:OVERRIDES gets runs/NAME and
             # LIMIT seconds; call again with the same specs to resume the unfinished ones.
