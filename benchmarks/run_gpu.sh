@@ -365,9 +365,16 @@ next19a)    # session 14's default (bf16 chunk kernels in 3 pipeline stages), me
   timeout 150 python3 benchmarks/bench_distill.py --shapes llama-3.2-1b \
       --json "$OUT/distill-1b.json" 2>&1 | tail -7 || true ;;
 next19b)    # ... and the whole kernel table with SDPA (predicted from the kernel sums: 8x2048 D128
-            # ~1.72 ms, 2.05x the seed; D64 without GQA unchanged)
+            # ~1.62 ms with the wide sequential tiles, 2.2x the seed; D64 without GQA unchanged);
+            # then deeper pipelines, and 4 warps for dq/dk/dg at D128 now that its loads overlap
+            # (4 warps lost to 8 there without stages: 2.25 vs 2.15 ms, session 5)
   timeout 240 python3 benchmarks/bench_kernels.py --json "$OUT/table.json" 2>&1 | tee "$OUT/table.log" \
-      | grep -E "^(shape|[0-9]+x|  CHECK)" || true ;;
+      | grep -E "^(shape|[0-9]+x|  CHECK)" || true
+  for ov in "" "--set stages_chunk=4" "--set warps_g=4" "--set warps_g=4 --set stages_chunk=4"; do
+    echo "### profile $ov"
+    timeout 60 python3 benchmarks/profile_kernels.py --no-sdpa --shape 8x2048:16:128 --shape 4x4096:16:128 \
+        --shape 1x16384:32/8:128x64+norm $ov 2>&1 | grep -E "^##|ms .*%|Error" || true
+  done ;;
 quality)    # runs of the GPU recipe, one after another (two processes sharing the GPU ran
             # 4-5x slower each: NOTES, session 4); each NAME:OVERRIDES gets runs/NAME and
             # LIMIT seconds; call again with the same specs to resume the unfinished ones.

@@ -1346,6 +1346,15 @@ class _Config:
                     self.warps_dh = 2
             if self.dot_bf16 and self.BK_g == 32:
                 self.warps_g = 2
+        # The sequential passes with all of V (<= 128) in one tile: half the walks, each
+        # carrying a [64, 128] state. Only where the walks still fill the GPU without
+        # segments: H200, bf16, kernel ms per f+b (session 14): 8x2048 H16 D128 state pass
+        # 0.272 -> 0.213, dh pass 0.205 -> 0.161 (256 walks); at 4x4096 the 128 walks left
+        # switch the segments on and it is slower (1.80 -> 1.96 ms, fix-up 0.11 ms). Measured
+        # with one query head per KV head and without the normaliser: the rest keep 64.
+        if (tiles is None and self.dot_bf16 and 64 < V <= 128 and not normalizer and H == Hkv
+                and (B if N is None else N) * Hkv * _cdiv(K, self.BK_seq) > self.seg_max_walks):
+            self.BV_seq = np2(V)
         self.state_dtype = torch.bfloat16 if dtype == torch.bfloat16 else torch.float32
         for name, value in OVERRIDES.items():
             setattr(self, name, value)

@@ -411,6 +411,38 @@ def test_dv_all_v_tuning_path(monkeypatch, gate):
 
 
 @needs_kernels
+def test_sequential_passes_take_all_of_v_when_walks_fill_the_gpu(monkeypatch):
+    """bf16 at 64 < V <= 128 without the normaliser or grouped queries: the state and dh
+    passes walk all of V in one tile when (sequences x KV heads x K tiles) exceeds the SM
+    count, so no segments are needed; otherwise tiles of 64. Here the GPU is made 2 SMs
+    wide so a tiny problem takes the wide path in the interpreter, and it must still match
+    the recurrence (packed documents and the initial/final states included)."""
+    def bv(B, H, Hkv, K, V, norm=False, dtype=torch.bfloat16):
+        return gla_triton._Config(B, 2048, H, Hkv, K, V, B, dtype, torch.device("cpu"),
+                                  normalizer=norm).BV_seq
+    # H200 (132 SMs): 8x2048 H16 D128 has 256 walks; 4x4096 only 128 and keeps 64
+    assert bv(8, 16, 16, 128, 128) == 128 and bv(4, 16, 16, 128, 128) == 64
+    assert bv(8, 16, 16, 128, 128, norm=True) == 64 and bv(8, 32, 8, 128, 128) == 64
+    assert bv(8, 16, 16, 128, 128, dtype=torch.float32) == 64 and bv(8, 32, 32, 64, 64) == 64
+    monkeypatch.setitem(gla_triton.OVERRIDES, "BV_seq", 128)
+    assert bv(4, 16, 16, 128, 128) == 128               # an override still wins
+    monkeypatch.delitem(gla_triton.OVERRIDES, "BV_seq")
+
+    monkeypatch.setattr(gla_triton, "_num_sms", lambda device: 2)
+    grids = []
+    real = gla_triton._fwd_state_kernel
+
+    class Spy:
+        def __getitem__(self, grid):
+            grids.append(grid)
+            return real[grid]
+    monkeypatch.setattr(gla_triton, "_fwd_state_kernel", Spy())
+    run_and_compare(B=2, T=70, H=2, Hkv=2, K=80, V=80, dtype=torch.bfloat16)
+    run_and_compare(B=1, T=90, H=2, Hkv=2, K=80, V=80, dtype=torch.bfloat16, seqs=[20, 45, 25])
+    assert grids and all(grid[1] == 1 for grid in grids), grids      # one V tile
+
+
+@needs_kernels
 def test_custom_scale():
     run_and_compare(B=1, T=30, H=2, Hkv=1, K=16, V=16, scale=0.3)
 
@@ -687,6 +719,16 @@ def _gpu_compare(B, T, H, Hkv, K, V, seqs=None, backward=True, tol=2e-2, normali
 @pytest.mark.parametrize("D", [64, 128])
 def test_gpu_bf16(Hkv, D):
     _gpu_compare(B=2, T=4096, H=16, Hkv=Hkv, K=D, V=D)
+
+
+@gpu
+@gpu_only
+def test_gpu_bf16_wide_sequential_tiles():
+    # 8 sequences x 16 heads x 2 K tiles = 256 walks: the state and dh passes take all of
+    # V = 128 in one tile (session 14's default), at real size
+    cfg = gla_triton._Config(8, 1024, 16, 16, 128, 128, 8, torch.bfloat16, torch.device("cuda"))
+    assert cfg.BV_seq == 128 or 8 * 16 * 2 <= cfg.seg_max_walks
+    _gpu_compare(B=8, T=1024, H=16, Hkv=16, K=128, V=128)
 
 
 def test_default_chunk_length():
