@@ -31,7 +31,8 @@
 #   bash benchmarks/run_gpu.sh next17        # session 13's defaults: GPU tests they touch, full table, variants
 #   bash benchmarks/run_gpu.sh next18        # D128: Nsight Compute on the three chunk kernels, seq-pass variants
 #   bash benchmarks/run_gpu.sh next19a       # session 14's 3 stages: every GPU test, the 1B step
-#   bash benchmarks/run_gpu.sh next19b       # ... the whole kernel table
+#   bash benchmarks/run_gpu.sh next19b       # ... the whole kernel table, split_slow timed and tested
+#   bash benchmarks/run_gpu.sh next19c       # ... deeper pipelines, 4-warp dq/dk/dg at D128
 #   bash benchmarks/run_gpu.sh quality "NAME:OVERRIDES" ...  # GPU recipe runs, in turn
 #       (after the payload steps; call again to resume the unfinished ones)
 #   bash benchmarks/run_gpu.sh quality-par "NAME:OVERRIDES" ...  # the same at once, one GPU each
@@ -366,11 +367,25 @@ next19a)    # session 14's default (bf16 chunk kernels in 3 pipeline stages), me
       --json "$OUT/distill-1b.json" 2>&1 | tail -7 || true ;;
 next19b)    # ... and the whole kernel table with SDPA (predicted from the kernel sums: 8x2048 D128
             # ~1.62 ms with the wide sequential tiles, 2.2x the seed; D64 without GQA unchanged);
-            # then deeper pipelines, and 4 warps for dq/dk/dg at D128 now that its loads overlap
-            # (4 warps lost to 8 there without stages: 2.25 vs 2.15 ms, session 5)
+            # then split_slow (each chunk kernel in two launches, one-matmul chunks compiled
+            # without the exact paths; ptxas, sm_90, Triton 3.6, bytes spilled: D128 dq/dk/dg
+            # 134 -> 0, dv 652 -> 0, output 124 -> 0; D64 dq/dk/dg 68 -> 0; 1B layer dv 244 -> 128
+            # registers), timed and under the bf16 GPU tests
   timeout 240 python3 benchmarks/bench_kernels.py --json "$OUT/table.json" 2>&1 | tee "$OUT/table.log" \
       | grep -E "^(shape|[0-9]+x|  CHECK)" || true
-  for ov in "" "--set stages_chunk=4" "--set warps_g=4" "--set warps_g=4 --set stages_chunk=4"; do
+  for ov in "" "--set split_slow=1"; do
+    echo "### profile $ov"
+    timeout 70 python3 benchmarks/profile_kernels.py --no-sdpa --shape 8x2048:32:64 --shape 8x2048:16:128 \
+        --shape 1x16384:32/8:128x64+norm $ov 2>&1 | grep -E "^##|ms .*%|Error" || true
+  done
+  GLASWAP_GLA_OVERRIDES=split_slow=1 timeout 140 python3 -m pytest -q -rfE -p no:cacheprovider -m gpu \
+      tests/test_gla_triton.py -k "test_gpu_bf16 and not odd" 2>&1 | tail -4 || true ;;
+next19c)    # ... deeper pipelines, and 4 warps for dq/dk/dg at D128 now that its loads overlap
+            # (4 warps lost to 8 there without stages: 2.25 vs 2.15 ms, session 5) or that the
+            # exact paths are compiled apart (ptxas, 4 warps: 1928 B spilled with them, 140 in the
+            # split's one-matmul launch)
+  for ov in "--set stages_chunk=4" "--set warps_g=4" "--set warps_g=4 --set stages_chunk=4" \
+            "--set split_slow=1 --set warps_g=4"; do
     echo "### profile $ov"
     timeout 60 python3 benchmarks/profile_kernels.py --no-sdpa --shape 8x2048:16:128 --shape 4x4096:16:128 \
         --shape 1x16384:32/8:128x64+norm $ov 2>&1 | grep -E "^##|ms .*%|Error" || true

@@ -625,7 +625,7 @@ def _fwd_output_kernel(q, k, v, g, o, hbuf, cu_seqlens, chunk_offsets, chunk_ind
                        BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
                        NK: tl.constexpr, NV: tl.constexpr, R: tl.constexpr,
                        IS_VARLEN: tl.constexpr, DOT_BF16: tl.constexpr, PREC: tl.constexpr,
-                       SLOW_BLOCKS: tl.constexpr):
+                       SLOW_BLOCKS: tl.constexpr, PATH: tl.constexpr = 0):
     """o for one chunk and every query head of one KV group. When K fits one tile the k-side
     work (loads, 2^G, k 2^-G) is done once for the group; otherwise it is redone per head.
     NORM: column V of o gets the normaliser s * (rowsum(mask(P)) + (q 2^G) z), what a column
@@ -648,6 +648,10 @@ def _fwd_output_kernel(q, k, v, g, o, hbuf, cu_seqlens, chunk_offsets, chunk_ind
         G, G_last = _gates(gp, t0, n_valid, Hkv * K, 0, K, BT, BK)
         e_q = tl.exp2(G)
         fast = tl.max(-G_last, axis=0) < _SAFE
+        if PATH > 0:                   # split_slow (_paths): launch 1 takes the one-matmul
+            if fast != (PATH == 1):    # chunks, launch 2 the others, each compiled with one path
+                return
+            fast = PATH == 1
         if fast:
             k_e = _op(b_k * tl.exp2(-G), DOT_BF16)
         else:
@@ -822,7 +826,8 @@ def _bwd_dqkg_kernel(q, k, v, g, do, hbuf, dhbuf, dq, dk, dg, dv, cu_seqlens, ch
                      VS: tl.constexpr, VO: tl.constexpr, NORM: tl.constexpr,
                      BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, NV: tl.constexpr,
                      R: tl.constexpr, WITH_DV: tl.constexpr, IS_VARLEN: tl.constexpr,
-                     DOT_BF16: tl.constexpr, PREC: tl.constexpr, SLOW_BLOCKS: tl.constexpr):
+                     DOT_BF16: tl.constexpr, PREC: tl.constexpr, SLOW_BLOCKS: tl.constexpr,
+                     PATH: tl.constexpr = 0):
     """dq (every head of the group), dk and dg for one chunk, one K tile, one KV head; also
     dv when WITH_DV (one K tile and one V tile cover everything: the separate dv kernel,
     with its second read of q, k, g, do, is then skipped).
@@ -860,6 +865,10 @@ def _bwd_dqkg_kernel(q, k, v, g, do, hbuf, dhbuf, dq, dk, dg, dv, cu_seqlens, ch
     b_kr = _load_rows(kp, t0, n_valid, Hkv * K, k0, K, BT, BK)
     G, G_last = _gates(gp, t0, n_valid, Hkv * K, k0, K, BT, BK)
     fast = tl.max(-G_last, axis=0) < _SAFE
+    if PATH > 0:                   # split_slow (_paths): launch 1 takes the one-matmul
+        if fast != (PATH == 1):    # chunks, launch 2 the others, each compiled with one path
+            return
+        fast = PATH == 1
     if fast:
         k_e = _op(b_kr.to(tl.float32) * tl.exp2(-G), DOT_BF16)     # <= 2^SAFE
     else:
@@ -949,7 +958,8 @@ def _bwd_dv_kernel(q, k, g, do, dhbuf, dv, cu_seqlens, chunk_offsets, chunk_indi
                    VS: tl.constexpr, VO: tl.constexpr, NORM: tl.constexpr,
                    BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, NK: tl.constexpr,
                    R: tl.constexpr, IS_VARLEN: tl.constexpr, DOT_BF16: tl.constexpr,
-                   PREC: tl.constexpr, SLOW_BLOCKS: tl.constexpr, ALL_V: tl.constexpr = 0):
+                   PREC: tl.constexpr, SLOW_BLOCKS: tl.constexpr, ALL_V: tl.constexpr = 0,
+                   PATH: tl.constexpr = 0):
     """dv = (k 2^{G_last - G}) dh_{n+1} + s * sum_heads mask(P)^T do, one chunk, one V tile.
     ALL_V > 0 (one query head per KV head, one K tile): one program per chunk walks ALL_V
     V tiles with P built once, instead of one program per V tile each rebuilding it."""
@@ -972,6 +982,10 @@ def _bwd_dv_kernel(q, k, g, do, dhbuf, dv, cu_seqlens, chunk_offsets, chunk_indi
         G, G_last = _gates(gp, t0, n_valid, Hkv * K, 0, K, BT, BK)
         e_q = tl.exp2(G)
         fast = tl.max(-G_last, axis=0) < _SAFE
+        if PATH > 0:                   # split_slow (_paths): launch 1 takes the one-matmul
+            if fast != (PATH == 1):    # chunks, launch 2 the others, each compiled with one path
+                return
+            fast = PATH == 1
         if fast:
             k_e = b_k * tl.exp2(-G)
             k_end = k_e * tl.exp2(G_last)[None, :]
@@ -1324,6 +1338,11 @@ class _Config:
         # session 10); mode 2 has no matmul under a runtime branch and ran clean. Trained
         # gates, 8x2048 H32 D64 f+b: row by row 17.0 ms, mode 2 3.9; weak gates +2-8%.
         self.slow_blocks = 2
+        # Chunk kernels in two launches, one per path (see _paths). Tuning knob, off: not yet
+        # timed (H200 session 10, 8x2048 H16 D128 weak gates: mode 0, whose exact path is
+        # small, 1.83 ms against mode 2's 1.97; the split should give the one-matmul chunks
+        # mode 0's code whatever slow_blocks is, for one extra launch of early exits each).
+        self.split_slow = 0
         # Chunks of 32 when the state is narrow: trained gates then mostly stay on the
         # one-matmul path (a chunk of 32 factorises down to ~0.18 of the state kept a step,
         # one of 64 only to ~0.42). H200 bf16, f+b with mode 2: 8x2048 H32 D64 trained gates
@@ -1389,6 +1408,16 @@ class _Config:
         return seg
 
 
+def _paths(cfg, one_k_tile):
+    """The PATH of each launch of a chunk kernel: (0,) one launch taking both paths per
+    chunk; with split_slow (and one K tile, where the fast/exact choice is per program) two
+    launches, the one-matmul chunks then the exact ones, each compiled without the other's
+    code (the exact paths cost the one-matmul chunks registers and spills; ptxas, sm_90,
+    Triton 3.6, bf16, bytes spilled: D128 dq/dk/dg 134 -> 0 in its one-matmul launch, dv
+    652 -> 0, output 124 -> 0; D64 dq/dk/dg 68 -> 0, output 168 -> 125 registers)."""
+    return (1, 2) if cfg.split_slow and one_k_tile else (0,)
+
+
 def _opts(warps, stages, regs):
     """Launch options; the register cap only when set (the interpreter takes no maxnreg)."""
     opts = dict(num_warps=warps, num_stages=stages)
@@ -1435,11 +1464,12 @@ def _forward(q, k, v, g, scale, h0, want_ht, cu_seqlens, tiles, chunk, segment, 
     if seg.on:
         _chain_segments(cfg, seg, hbuf, dec, segend, ht, cu, offsets, indices, T, total, N,
                         Hkv, K, VU, VS, reverse=False)
-    _fwd_output_kernel[(total, Hkv)](
-        q, k, v, g, o, hbuf, cu, offsets, indices, T, scale,
-        H=H, Hkv=Hkv, K=K, V=V, BT=cfg.BT, BK=cfg.BK_o, BV=cfg.BV_o, NK=cfg.NK_o, NV=cfg.NV_o,
-        R=R, SLOW_BLOCKS=cfg.slow_blocks, **common,
-        **_opts(cfg.warps_o, cfg.stages_chunk, cfg.regs_o))
+    for path in _paths(cfg, cfg.NK_o == 1):
+        _fwd_output_kernel[(total, Hkv)](
+            q, k, v, g, o, hbuf, cu, offsets, indices, T, scale,
+            H=H, Hkv=Hkv, K=K, V=V, BT=cfg.BT, BK=cfg.BK_o, BV=cfg.BV_o, NK=cfg.NK_o, NV=cfg.NV_o,
+            R=R, SLOW_BLOCKS=cfg.slow_blocks, PATH=path, **common,
+            **_opts(cfg.warps_o, cfg.stages_chunk, cfg.regs_o))
     meta = (cfg, cu, offsets, indices, total, N, seg, bool(normalizer))
     return o, ht, hbuf, meta
 
@@ -1525,18 +1555,20 @@ def _backward(q, k, v, g, scale, hbuf, meta, do, dht, want_dh0):
     if seg.on:
         _chain_segments(cfg, seg, dhbuf, dec, segend, dh0, cu, offsets, indices, T, total, N,
                         Hkv, K, VU, VS, reverse=True)
-    _bwd_dqkg_kernel[(cfg.NK_g, total, Hkv)](
-        q, k, v, g, do, hbuf, dhbuf, dq, dk, dg, dv, cu, offsets, indices, T, scale,
-        H=H, Hkv=Hkv, K=K, V=V, BT=cfg.BT, BK=cfg.BK_g, BV=cfg.BV_g, NV=cfg.NV_g, R=R,
-        WITH_DV=cfg.merge_dv, SLOW_BLOCKS=cfg.slow_blocks, **common,
-        **_opts(cfg.warps_g, cfg.stages_chunk, cfg.regs_g))
+    for path in _paths(cfg, True):
+        _bwd_dqkg_kernel[(cfg.NK_g, total, Hkv)](
+            q, k, v, g, do, hbuf, dhbuf, dq, dk, dg, dv, cu, offsets, indices, T, scale,
+            H=H, Hkv=Hkv, K=K, V=V, BT=cfg.BT, BK=cfg.BK_g, BV=cfg.BV_g, NV=cfg.NV_g, R=R,
+            WITH_DV=cfg.merge_dv, SLOW_BLOCKS=cfg.slow_blocks, PATH=path, **common,
+            **_opts(cfg.warps_g, cfg.stages_chunk, cfg.regs_g))
     if not cfg.merge_dv:
         all_v = cfg.NV_o if cfg.dv_all_v and R == 1 and cfg.NK_o == 1 and cfg.NV_o > 1 else 0
-        _bwd_dv_kernel[(1 if all_v else cfg.NV_o, total, Hkv)](
-            q, k, g, do, dhbuf, dv, cu, offsets, indices, T, scale,
-            H=H, Hkv=Hkv, K=K, V=V, BT=cfg.BT, BK=cfg.BK_o, BV=cfg.BV_o, NK=cfg.NK_o, R=R,
-            SLOW_BLOCKS=cfg.slow_blocks, ALL_V=all_v, **common,
-            **_opts(cfg.warps_dv, cfg.stages_chunk, cfg.regs_dv))
+        for path in _paths(cfg, cfg.NK_o == 1):
+            _bwd_dv_kernel[(1 if all_v else cfg.NV_o, total, Hkv)](
+                q, k, g, do, dhbuf, dv, cu, offsets, indices, T, scale,
+                H=H, Hkv=Hkv, K=K, V=V, BT=cfg.BT, BK=cfg.BK_o, BV=cfg.BV_o, NK=cfg.NK_o, R=R,
+                SLOW_BLOCKS=cfg.slow_blocks, ALL_V=all_v, PATH=path, **common,
+                **_opts(cfg.warps_dv, cfg.stages_chunk, cfg.regs_dv))
     return dq, dk, dv, dg, dh0
 
 

@@ -8,6 +8,7 @@ Every comparison is a relative RMS error, ||x - ref|| / ||ref||, for the output,
 state and every gradient (q, k, v, g, initial state) of loss = (o*do).sum() + (ht*dht).sum().
 """
 
+import collections
 import os
 import sys
 
@@ -62,6 +63,10 @@ def gates(shape, kind, gen):
         strong = torch.rand(shape[-1], generator=gen) < 0.3
         return torch.where(strong, -20.0 * torch.rand(shape, generator=gen),
                            F.logsigmoid(torch.randn(shape, generator=gen)) / 4)
+    if kind == "patchy":          # weak everywhere but rows 40-44 (-40 a step): one chunk,
+        g = F.logsigmoid(torch.randn(shape, generator=gen) + 1.0)   # of 32 or 64, is exact
+        g[:, 40:45] = -40.0
+        return g
     if kind in ("trained", "bursty"):
         # What distillation learns: 40% of channels keep only 0.14-0.5 of their state a step
         # (past 2^-80 over a 64-token chunk, not over a 16-row block); bursty adds three steps
@@ -443,6 +448,43 @@ def test_sequential_passes_take_all_of_v_when_walks_fill_the_gpu(monkeypatch):
 
 
 @needs_kernels
+@pytest.mark.parametrize("blocks", [0, 2])
+def test_split_slow_two_launches(monkeypatch, blocks):
+    """split_slow=1 (a tuning knob): each chunk kernel runs twice, the first launch writing
+    only the chunks the one-matmul path takes, the second only the others (outputs start as
+    NaN, so a chunk both skip fails). Gates weak but for one steep chunk, so both launches
+    have work: one K tile (output, dq/dk/dg with dv, dv over all V tiles), several K tiles
+    (the output and dv kernels' tiled path keeps one launch), grouped queries, packed
+    documents and the normaliser."""
+    monkeypatch.setitem(gla_triton.OVERRIDES, "split_slow", 1)
+    monkeypatch.setitem(gla_triton.OVERRIDES, "slow_blocks", blocks)
+    monkeypatch.setitem(gla_triton.OVERRIDES, "dv_all_v", 1)
+    paths = collections.Counter()
+    for name in ("_fwd_output_kernel", "_bwd_dqkg_kernel", "_bwd_dv_kernel"):
+        real = getattr(gla_triton, name)
+
+        class Spy:
+            def __init__(self, fn, name):
+                self.fn, self.name = fn, name
+
+            def __getitem__(self, grid):
+                def launch(*args, **kwargs):
+                    paths[(self.name, kwargs["PATH"])] += 1
+                    return self.fn[grid](*args, **kwargs)
+                return launch
+        monkeypatch.setattr(gla_triton, name, Spy(real, name))
+    run_and_compare(B=2, T=100, H=2, Hkv=2, K=32, V=32, gate="patchy")             # dv merged
+    run_and_compare(B=1, T=100, H=2, Hkv=2, K=80, V=80, gate="patchy")             # dv over V tiles
+    run_and_compare(B=1, T=150, H=4, Hkv=2, K=32, V=40, gate="patchy", seqs=[30, 120],
+                    normalizer=True)
+    run_and_compare(B=1, T=100, H=2, Hkv=1, K=48, V=40, gate="patchy", tiles=(16, 16))
+    for name in ("_fwd_output_kernel", "_bwd_dqkg_kernel", "_bwd_dv_kernel"):
+        assert paths[(name, 1)] == paths[(name, 2)] > 0, paths
+    # K in 3 tiles of 16: the output and dv kernels decide per tile inside: one launch each
+    assert paths[("_fwd_output_kernel", 0)] == 1 and paths[("_bwd_dv_kernel", 0)] == 1, paths
+
+
+@needs_kernels
 def test_custom_scale():
     run_and_compare(B=1, T=30, H=2, Hkv=1, K=16, V=16, scale=0.3)
 
@@ -644,6 +686,24 @@ def test_pipelined_chunk_kernels_fit_hopper_shared_memory():
     assert chunk and all(r["num_stages"] == 3 for r in chunk), chunk
     assert max(r["smem"] for r in chunk) > 100 * 1024      # the stages are really there
     assert all(r["smem"] <= 227 * 1024 for r in rows), [(r["kernel"], r["smem"]) for r in rows]
+
+
+@pytest.mark.slow
+def test_split_slow_compiles_without_the_exact_paths():
+    """split_slow=1 builds each chunk kernel twice for sm_90 (early returns in both), and the
+    one-matmul launch, which holds none of the exact paths' code, spills no more than the
+    combined kernel (D128 dq/dk/dg: 134 B -> 0 with Triton 3.6, 220 -> 0 with 3.9)."""
+    case = [("bf16", 1, 256, 2, 2, 128, 128, None)]
+    chunk = ("_fwd_output_kernel", "_bwd_dqkg_kernel", "_bwd_dv_kernel")
+    split = {(r["kernel"], r["PATH"]): r for r in _compile_report(case, [], {"split_slow": 1})
+             if r["kernel"] in chunk}
+    whole = {r["kernel"]: r for r in _compile_report(case, []) if r["kernel"] in chunk}
+    assert set(split) == {(name, p) for name in chunk for p in (1, 2)}, sorted(split)
+    assert all(r["regs"] is not None for r in split.values())
+    for name in chunk:
+        assert whole[name]["PATH"] == 0
+        assert split[(name, 1)]["spill_bytes"] <= whole[name]["spill_bytes"], (name, split, whole)
+    assert split[("_bwd_dqkg_kernel", 1)]["spill_bytes"] < whole["_bwd_dqkg_kernel"]["spill_bytes"]
 
 
 @pytest.mark.slow
