@@ -791,6 +791,18 @@ def test_gpu_bf16_wide_sequential_tiles():
     _gpu_compare(B=8, T=1024, H=16, Hkv=16, K=128, V=128)
 
 
+@gpu
+@gpu_only
+def test_gpu_bf16_split_slow(monkeypatch):
+    # split_slow=1 (tuning knob): weak gates (nearly every chunk in the first launch) and
+    # trained ones (most chunks in the second) at D128, and GQA with the normaliser at K128
+    # V64 (the 1B student's layer)
+    monkeypatch.setitem(gla_triton.OVERRIDES, "split_slow", 1)
+    _gpu_compare(B=2, T=2048, H=16, Hkv=16, K=128, V=128)
+    _gpu_compare(B=2, T=2048, H=16, Hkv=16, K=128, V=128, trained=True)
+    _gpu_compare(B=1, T=4096, H=16, Hkv=4, K=128, V=64, trained=True, normalizer=True)
+
+
 def test_default_chunk_length():
     # chunks of 32 where the state is narrow (V <= 64, K <= 128), 64 elsewhere; short
     # sequences keep their own power of two, and a forced chunk wins
