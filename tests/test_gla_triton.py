@@ -392,6 +392,22 @@ def test_normalizer_chain_keeps_padded_rows(monkeypatch):
     assert seen and seen[-1][-2] == 24, seen
 
 
+def record_launches(monkeypatch, name):
+    """Kernel `name` of gla_triton runs as usual; the returned list gets (grid, keyword
+    arguments) of each of its launches."""
+    launches = []
+    real = getattr(gla_triton, name)
+
+    class Spy:
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                launches.append((grid, kwargs))
+                return real[grid](*args, **kwargs)
+            return launch
+    monkeypatch.setattr(gla_triton, name, Spy())
+    return launches
+
+
 @needs_kernels
 @pytest.mark.parametrize("gate", ["normal", "bursty"])
 def test_dv_all_v_tuning_path(monkeypatch, gate):
@@ -399,20 +415,11 @@ def test_dv_all_v_tuning_path(monkeypatch, gate):
     one program per chunk over both V tiles, P built once (fast and exact paths), gives the
     same output and gradients, with packed documents and the normaliser too."""
     monkeypatch.setitem(gla_triton.OVERRIDES, "dv_all_v", 1)
-    launches = []
-    real = gla_triton._bwd_dv_kernel
-
-    class Spy:
-        def __getitem__(self, grid):
-            def launch(*args, **kwargs):
-                launches.append((grid, kwargs["ALL_V"]))
-                return real[grid](*args, **kwargs)
-            return launch
-    monkeypatch.setattr(gla_triton, "_bwd_dv_kernel", Spy())
+    launches = record_launches(monkeypatch, "_bwd_dv_kernel")
     # K = V = 80: the dv kernel sees all of K in one tile and V in two of 64
     run_and_compare(B=1, T=100, H=2, Hkv=2, K=80, V=80, gate=gate)
     run_and_compare(B=1, T=100, H=2, Hkv=2, K=80, V=80, gate=gate, seqs=[37, 63], normalizer=True)
-    assert launches and all(grid[0] == 1 and all_v == 2 for grid, all_v in launches), launches
+    assert launches and all(grid[0] == 1 and kw["ALL_V"] == 2 for grid, kw in launches), launches
 
 
 @needs_kernels
@@ -434,17 +441,10 @@ def test_sequential_passes_take_all_of_v_when_walks_fill_the_gpu(monkeypatch):
     monkeypatch.delitem(gla_triton.OVERRIDES, "BV_seq")
 
     monkeypatch.setattr(gla_triton, "_num_sms", lambda device: 2)
-    grids = []
-    real = gla_triton._fwd_state_kernel
-
-    class Spy:
-        def __getitem__(self, grid):
-            grids.append(grid)
-            return real[grid]
-    monkeypatch.setattr(gla_triton, "_fwd_state_kernel", Spy())
+    launches = record_launches(monkeypatch, "_fwd_state_kernel")
     run_and_compare(B=2, T=70, H=2, Hkv=2, K=80, V=80, dtype=torch.bfloat16)
     run_and_compare(B=1, T=90, H=2, Hkv=2, K=80, V=80, dtype=torch.bfloat16, seqs=[20, 45, 25])
-    assert grids and all(grid[1] == 1 for grid in grids), grids      # one V tile
+    assert launches and all(grid[1] == 1 for grid, _ in launches), launches     # one V tile
 
 
 @needs_kernels
@@ -459,26 +459,15 @@ def test_split_slow_two_launches(monkeypatch, blocks):
     monkeypatch.setitem(gla_triton.OVERRIDES, "split_slow", 1)
     monkeypatch.setitem(gla_triton.OVERRIDES, "slow_blocks", blocks)
     monkeypatch.setitem(gla_triton.OVERRIDES, "dv_all_v", 1)
-    paths = collections.Counter()
-    for name in ("_fwd_output_kernel", "_bwd_dqkg_kernel", "_bwd_dv_kernel"):
-        real = getattr(gla_triton, name)
-
-        class Spy:
-            def __init__(self, fn, name):
-                self.fn, self.name = fn, name
-
-            def __getitem__(self, grid):
-                def launch(*args, **kwargs):
-                    paths[(self.name, kwargs["PATH"])] += 1
-                    return self.fn[grid](*args, **kwargs)
-                return launch
-        monkeypatch.setattr(gla_triton, name, Spy(real, name))
+    kernels = ("_fwd_output_kernel", "_bwd_dqkg_kernel", "_bwd_dv_kernel")
+    launches = {name: record_launches(monkeypatch, name) for name in kernels}
     run_and_compare(B=2, T=100, H=2, Hkv=2, K=32, V=32, gate="patchy")             # dv merged
     run_and_compare(B=1, T=100, H=2, Hkv=2, K=80, V=80, gate="patchy")             # dv over V tiles
     run_and_compare(B=1, T=150, H=4, Hkv=2, K=32, V=40, gate="patchy", seqs=[30, 120],
                     normalizer=True)
     run_and_compare(B=1, T=100, H=2, Hkv=1, K=48, V=40, gate="patchy", tiles=(16, 16))
-    for name in ("_fwd_output_kernel", "_bwd_dqkg_kernel", "_bwd_dv_kernel"):
+    paths = collections.Counter((name, kw["PATH"]) for name in kernels for _, kw in launches[name])
+    for name in kernels:
         assert paths[(name, 1)] == paths[(name, 2)] > 0, paths
     # K in 3 tiles of 16: the output and dv kernels decide per tile inside: one launch each
     assert paths[("_fwd_output_kernel", 0)] == 1 and paths[("_bwd_dv_kernel", 0)] == 1, paths
