@@ -359,14 +359,15 @@ next18)     # D128 (1.95-2.54x the seed at T <= 8192): a profile before the next
     timeout 60 python3 benchmarks/profile_kernels.py --no-sdpa --shape 8x2048:16:128 --shape 4x4096:16:128 \
         --shape 2x8192:16:128 $ov 2>&1 | grep -E "^##|ms .*%|Error" || true
   done ;;
-next19a)    # session 14's default (bf16 chunk kernels in 3 pipeline stages), measured only as
-            # kernel sums and cut test runs: every GPU test, then the 1B student step (16K target
-            # 1.5x, met at 1.54x with 1 stage; its layer's kernels 2.168 -> 2.106 ms)
-  gpu_tests 340
+next19a)    # session 14's defaults (bf16 chunk kernels in 3 pipeline stages, wide sequential tiles),
+            # measured only as kernel sums and cut test runs: every GPU test (22 now; 20 took
+            # 316 s), then the 1B student step (16K target 1.5x, met at 1.54x with 1 stage; its
+            # layer's kernels 2.168 -> 2.106 ms)
+  gpu_tests 400
   timeout 150 python3 benchmarks/bench_distill.py --shapes llama-3.2-1b \
       --json "$OUT/distill-1b.json" 2>&1 | tail -7 || true ;;
 next19b)    # ... and the whole kernel table with SDPA (predicted from the kernel sums: 8x2048 D128
-            # ~1.62 ms with the wide sequential tiles, 2.2x the seed; D64 without GQA unchanged);
+            # ~1.61 ms with the wide sequential tiles, 2.2x the seed; D64 without GQA unchanged);
             # then split_slow (each chunk kernel in two launches, one-matmul chunks compiled
             # without the exact paths; ptxas, sm_90, Triton 3.6, bytes spilled: D128 dq/dk/dg
             # 134 -> 0, dv 652 -> 0, output 124 -> 0; D64 dq/dk/dg 68 -> 0; 1B layer dv 244 -> 128
