@@ -33,6 +33,7 @@
 #   bash benchmarks/run_gpu.sh next19a       # session 14's 3 stages: every GPU test, the 1B step
 #   bash benchmarks/run_gpu.sh next19b       # ... the whole kernel table, split_slow timed and tested
 #   bash benchmarks/run_gpu.sh next19c       # ... deeper pipelines, 4-warp dq/dk/dg at D128
+#   bash benchmarks/run_gpu.sh next20a       # session 15: those variants on one machine, the new paths' GPU tests
 #   bash benchmarks/run_gpu.sh quality "NAME:OVERRIDES" ...  # GPU recipe runs, in turn
 #       (after the payload steps; call again to resume the unfinished ones)
 #   bash benchmarks/run_gpu.sh quality-par "NAME:OVERRIDES" ...  # the same at once, one GPU each
@@ -391,6 +392,17 @@ next19c)    # ... deeper pipelines, and 4 warps for dq/dk/dg at D128 now that it
     timeout 60 python3 benchmarks/profile_kernels.py --no-sdpa --shape 8x2048:16:128 --shape 4x4096:16:128 \
         --shape 1x16384:32/8:128x64+norm $ov 2>&1 | grep -E "^##|ms .*%|Error" || true
   done ;;
+next20a)    # session 15, first call: split_slow, 4 stages and 4-warp dq/dk/dg at D128, each
+            # against the defaults on the same machine (kernel ms per f+b), then the GPU tests
+            # of the two session-14 paths never run on a GPU (wide sequential tiles, split)
+  for ov in "" "--set split_slow=1" "--set stages_chunk=4" "--set warps_g=4" \
+            "--set split_slow=1 --set warps_g=4"; do
+    echo "### profile $ov"
+    timeout 80 python3 benchmarks/profile_kernels.py --no-sdpa --shape 8x2048:32:64 --shape 8x2048:16:128 \
+        --shape 4x4096:16:128 --shape 1x16384:32/8:128x64+norm $ov 2>&1 | grep -E "^##|ms .*%|Error" || true
+  done
+  timeout 150 python3 -m pytest -q -rfE -p no:cacheprovider -m gpu tests/test_gla_triton.py \
+      -k "wide_sequential or split_slow" 2>&1 | tail -4 || true ;;
 quality)    # runs of the GPU recipe, one after another (two processes sharing the GPU ran
             # 4-5x slower each: NOTES, session 4); each NAME:OVERRIDES gets runs/NAME and
             # LIMIT seconds; call again with the same specs to resume the unfinished ones.
