@@ -34,6 +34,7 @@
 #   bash benchmarks/run_gpu.sh next19b       # ... the whole kernel table, split_slow timed and tested
 #   bash benchmarks/run_gpu.sh next19c       # ... deeper pipelines, 4-warp dq/dk/dg at D128
 #   bash benchmarks/run_gpu.sh next20a       # session 15: those variants on one machine, the new paths' GPU tests
+#   bash benchmarks/run_gpu.sh next20b       # ... the new dq/dk/dg defaults against per-kernel variants; the table
 #   bash benchmarks/run_gpu.sh quality "NAME:OVERRIDES" ...  # GPU recipe runs, in turn
 #       (after the payload steps; call again to resume the unfinished ones)
 #   bash benchmarks/run_gpu.sh quality-par "NAME:OVERRIDES" ...  # the same at once, one GPU each
@@ -403,6 +404,18 @@ next20a)    # session 15, first call: split_slow, 4 stages and 4-warp dq/dk/dg a
   done
   timeout 150 python3 -m pytest -q -rfE -p no:cacheprovider -m gpu tests/test_gla_triton.py \
       -k "wide_sequential or split_slow" 2>&1 | tail -4 || true ;;
+next20b)    # session 15, second call: the new defaults (bf16 dq/dk/dg on 4 warps at every K, split
+            # in two launches at K > 64; next20a: 8x2048 D128 dq/dk/dg 0.779 -> 0.595 ms, the 1B
+            # layer's 1.063 -> 0.618) against per-kernel variants, then the whole table
+  for ov in "" "--set stages_g=4" "--set stages_g=2" "--set warps_dv=8" "--set warps_o=8" \
+            "--set regs_g=168" "--set merge_dv=0"; do
+    echo "### profile $ov"
+    timeout 70 python3 benchmarks/profile_kernels.py --no-sdpa --shape 8x2048:32:64 --shape 8x2048:16:128 \
+        --shape 4x4096:16:128 --shape 1x16384:32/8:128x64+norm --shape 8x2048:9/3:128x64+norm $ov \
+        2>&1 | grep -E "^##|ms .*%|Error" || true
+  done
+  timeout 240 python3 benchmarks/bench_kernels.py --json "$OUT/table.json" 2>&1 | tee "$OUT/table.log" \
+      | grep -E "^(shape|[0-9]+x|  CHECK)" || true ;;
 quality)    # runs of the GPU recipe, one after another (two processes sharing the GPU ran
             # 4-5x slower each: NOTES, session 4); each NAME:OVERRIDES gets runs/NAME and
             # LIMIT seconds; call again with the same specs to resume the unfinished ones.

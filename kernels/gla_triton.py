@@ -1311,10 +1311,14 @@ class _Config:
         small = self.BT * max(self.BK_o, self.BV_o) < 64 * 64
         self.warps_o = 4 if small or (dtype == torch.bfloat16 and K <= 128 and V <= 128) else 8
         # dq/dk/dg(+dv): ptxas caps it at 255 registers either way; at K, V <= 64 in bf16, 4
-        # warps (2 programs per SM) beat 8 on the H200 (8x2048 H32 D64: 1.52 -> 1.40 ms f+b),
-        # at K = 128 8 warps stay ahead (2.15 vs 2.25 ms).
+        # warps (2 programs per SM) beat 8 on the H200 (8x2048 H32 D64: 1.52 -> 1.40 ms f+b).
+        # At K = 128 8 warps were ahead while the V loop waited on its loads (2.15 vs 2.25 ms,
+        # session 5); with the loop pipelined (stages_chunk) 4 win there too (session 15,
+        # kernel ms: 8x2048 H16 D128 0.779 -> 0.630, the 1B layer 1x16384 H32/kv8 K128 V64
+        # +norm 1.063 -> 0.838). fp16/fp32 operands (not pipelined) keep 8 on wide tiles.
         wide_tiles = self.BT * max(self.BK_g, self.BV_g) >= 64 * 64
-        self.warps_g = 8 if wide_tiles and not (self.dot_bf16 and K <= 64 and V <= 64) else 4
+        self.warps_g = 8 if wide_tiles and not self.dot_bf16 else 4
+        self.stages_g = None                           # the dq/dk/dg kernel's own (tuning)
         self.warps_dv = self.warps_o
         # Software-pipelined tile loops in the chunk kernels (output, dq/dk/dg, dv): the loads
         # of the next V tile or query head overlap this one's matmuls. H200, bf16, kernel ms
@@ -1338,11 +1342,16 @@ class _Config:
         # session 10); mode 2 has no matmul under a runtime branch and ran clean. Trained
         # gates, 8x2048 H32 D64 f+b: row by row 17.0 ms, mode 2 3.9; weak gates +2-8%.
         self.slow_blocks = 2
-        # Chunk kernels in two launches, one per path (see _paths). Tuning knob, off: not yet
-        # timed (H200 session 10, 8x2048 H16 D128 weak gates: mode 0, whose exact path is
-        # small, 1.83 ms against mode 2's 1.97; the split should give the one-matmul chunks
-        # mode 0's code whatever slow_blocks is, for one extra launch of early exits each).
+        # Chunk kernels in two launches, one per path (see _paths). Tuning knob, off: with all
+        # three kernels split, H200 kernel ms (session 15) at 8x2048 H32 D64 1.146 -> 1.269,
+        # 8x2048 H16 D128 1.618 -> 1.753 (dq/dk/dg on 8 warps then); see split_g.
         self.split_slow = 0
+        # The same split for the dq/dk/dg kernel alone, on for bf16 at K > 64 (4 warps): its
+        # one-matmul launch drops from 255 registers and 134 spilled bytes to 216 and none
+        # (ptxas). H200 kernel ms (session 15): 8x2048 H16 D128 0.630 -> 0.595, the 1B layer
+        # 0.838 -> 0.618. Not for D64 (0.699 -> 0.788: twice the small programs), nor on 8
+        # warps (D128 0.779 -> 0.887), nor for the output and dv kernels (D128 +7% and +4%).
+        self.split_g = 1 if self.dot_bf16 and K > 64 else 0
         # Chunks of 32 when the state is narrow: trained gates then mostly stay on the
         # one-matmul path (a chunk of 32 factorises down to ~0.18 of the state kept a step,
         # one of 64 only to ~0.42). H200 bf16, f+b with mode 2: 8x2048 H32 D64 trained gates
@@ -1408,14 +1417,14 @@ class _Config:
         return seg
 
 
-def _paths(cfg, one_k_tile):
+def _paths(split, one_k_tile):
     """The PATH of each launch of a chunk kernel: (0,) one launch taking both paths per
-    chunk; with split_slow (and one K tile, where the fast/exact choice is per program) two
+    chunk; with split (and one K tile, where the fast/exact choice is per program) two
     launches, the one-matmul chunks then the exact ones, each compiled without the other's
     code (the exact paths cost the one-matmul chunks registers and spills; ptxas, sm_90,
     Triton 3.6, bf16, bytes spilled: D128 dq/dk/dg 134 -> 0 in its one-matmul launch, dv
     652 -> 0, output 124 -> 0; D64 dq/dk/dg 68 -> 0, output 168 -> 125 registers)."""
-    return (1, 2) if cfg.split_slow and one_k_tile else (0,)
+    return (1, 2) if split and one_k_tile else (0,)
 
 
 def _opts(warps, stages, regs):
@@ -1464,7 +1473,7 @@ def _forward(q, k, v, g, scale, h0, want_ht, cu_seqlens, tiles, chunk, segment, 
     if seg.on:
         _chain_segments(cfg, seg, hbuf, dec, segend, ht, cu, offsets, indices, T, total, N,
                         Hkv, K, VU, VS, reverse=False)
-    for path in _paths(cfg, cfg.NK_o == 1):
+    for path in _paths(cfg.split_slow, cfg.NK_o == 1):
         _fwd_output_kernel[(total, Hkv)](
             q, k, v, g, o, hbuf, cu, offsets, indices, T, scale,
             H=H, Hkv=Hkv, K=K, V=V, BT=cfg.BT, BK=cfg.BK_o, BV=cfg.BV_o, NK=cfg.NK_o, NV=cfg.NV_o,
@@ -1555,15 +1564,15 @@ def _backward(q, k, v, g, scale, hbuf, meta, do, dht, want_dh0):
     if seg.on:
         _chain_segments(cfg, seg, dhbuf, dec, segend, dh0, cu, offsets, indices, T, total, N,
                         Hkv, K, VU, VS, reverse=True)
-    for path in _paths(cfg, True):
+    for path in _paths(cfg.split_slow or cfg.split_g, True):
         _bwd_dqkg_kernel[(cfg.NK_g, total, Hkv)](
             q, k, v, g, do, hbuf, dhbuf, dq, dk, dg, dv, cu, offsets, indices, T, scale,
             H=H, Hkv=Hkv, K=K, V=V, BT=cfg.BT, BK=cfg.BK_g, BV=cfg.BV_g, NV=cfg.NV_g, R=R,
             WITH_DV=cfg.merge_dv, SLOW_BLOCKS=cfg.slow_blocks, PATH=path, **common,
-            **_opts(cfg.warps_g, cfg.stages_chunk, cfg.regs_g))
+            **_opts(cfg.warps_g, cfg.stages_g or cfg.stages_chunk, cfg.regs_g))
     if not cfg.merge_dv:
         all_v = cfg.NV_o if cfg.dv_all_v and R == 1 and cfg.NK_o == 1 and cfg.NV_o > 1 else 0
-        for path in _paths(cfg, cfg.NK_o == 1):
+        for path in _paths(cfg.split_slow, cfg.NK_o == 1):
             _bwd_dv_kernel[(1 if all_v else cfg.NV_o, total, Hkv)](
                 q, k, g, do, dhbuf, dv, cu, offsets, indices, T, scale,
                 H=H, Hkv=Hkv, K=K, V=V, BT=cfg.BT, BK=cfg.BK_o, BV=cfg.BV_o, NK=cfg.NK_o, R=R,

@@ -473,6 +473,33 @@ def test_split_slow_two_launches(monkeypatch, blocks):
     assert paths[("_fwd_output_kernel", 0)] == 1 and paths[("_bwd_dv_kernel", 0)] == 1, paths
 
 
+def test_dqkg_launch_rules():
+    """bf16 dq/dk/dg on 4 warps at every K, split in two launches only at K > 64 (H200,
+    session 15); fp32 operands keep 8 warps on wide tiles and one launch."""
+    def cfg(K, V, dtype=torch.bfloat16):
+        c = gla_triton._Config(8, 2048, 16, 16, K, V, 8, dtype, torch.device("cpu"))
+        return c.warps_g, c.split_g
+    assert cfg(128, 128) == (4, 1) and cfg(128, 64) == (4, 1) and cfg(80, 80) == (4, 1)
+    assert cfg(64, 64) == (4, 0) and cfg(48, 48) == (4, 0)
+    assert cfg(128, 128, torch.float32) == (8, 0)
+
+
+@needs_kernels
+def test_split_g_default_splits_only_dqkg(monkeypatch):
+    """bf16 at K > 64: dq/dk/dg runs as two launches by default (one-matmul chunks, then
+    exact ones; outputs start as NaN), the output and dv kernels as one. Patchy gates so both
+    launches have chunks; one K tile and two (each K tile decides its own path)."""
+    kernels = ("_fwd_output_kernel", "_bwd_dqkg_kernel", "_bwd_dv_kernel")
+    launches = {name: record_launches(monkeypatch, name) for name in kernels}
+    run_and_compare(B=1, T=100, H=2, Hkv=2, K=80, V=48, gate="patchy", dtype=torch.bfloat16)
+    run_and_compare(B=1, T=90, H=4, Hkv=2, K=72, V=40, gate="patchy", dtype=torch.bfloat16,
+                    seqs=[30, 60], normalizer=True)
+    paths = collections.Counter((name, kw["PATH"]) for name in kernels for _, kw in launches[name])
+    assert paths[("_bwd_dqkg_kernel", 1)] == paths[("_bwd_dqkg_kernel", 2)] == 2, paths
+    assert paths[("_fwd_output_kernel", 0)] == paths[("_bwd_dv_kernel", 0)] == 2, paths
+    assert len(paths) == 4, paths
+
+
 @needs_kernels
 def test_custom_scale():
     run_and_compare(B=1, T=30, H=2, Hkv=1, K=16, V=16, scale=0.3)
@@ -783,7 +810,8 @@ def test_gpu_bf16_wide_sequential_tiles():
 @gpu
 @gpu_only
 def test_gpu_bf16_split_slow(monkeypatch):
-    # split_slow=1 (tuning knob): weak gates (nearly every chunk in the first launch) and
+    # split_slow=1 (tuning knob; dq/dk/dg alone is split by default at K > 64): weak gates
+    # (nearly every chunk in the first launch) and
     # trained ones (most chunks in the second) at D128, and GQA with the normaliser at K128
     # V64 (the 1B student's layer)
     monkeypatch.setitem(gla_triton.OVERRIDES, "split_slow", 1)
