@@ -35,6 +35,7 @@
 #   bash benchmarks/run_gpu.sh next19c       # ... deeper pipelines, 4-warp dq/dk/dg at D128
 #   bash benchmarks/run_gpu.sh next20a       # session 15: those variants on one machine, the new paths' GPU tests
 #   bash benchmarks/run_gpu.sh next20b       # ... the new dq/dk/dg defaults against per-kernel variants; the table
+#   bash benchmarks/run_gpu.sh next20c       # ... ONE_PASS dq/dk/dg, wide sequential tiles at 2x8192/16K D128
 #   bash benchmarks/run_gpu.sh quality "NAME:OVERRIDES" ...  # GPU recipe runs, in turn
 #       (after the payload steps; call again to resume the unfinished ones)
 #   bash benchmarks/run_gpu.sh quality-par "NAME:OVERRIDES" ...  # the same at once, one GPU each
@@ -416,6 +417,18 @@ next20b)    # session 15, second call: the new defaults (bf16 dq/dk/dg on 4 warp
   done
   timeout 240 python3 benchmarks/bench_kernels.py --json "$OUT/table.json" 2>&1 | tee "$OUT/table.log" \
       | grep -E "^(shape|[0-9]+x|  CHECK)" || true ;;
+next20c)    # session 15, third call: ONE_PASS dq/dk/dg (v and h loaded once; ptxas: spills D64
+            # 68 -> 216 B, D128 160 -> 248 B) and the wide sequential tiles where the narrow
+            # ones already segment (session 14, 2x8192 D128: 2.012 -> 1.957 ms); then the bf16
+            # GPU tests under ONE_PASS
+  for ov in "" "--set one_pass_g=1" "--set BV_seq=128" "--set BV_seq=128 --set warps_seq=8"; do
+    echo "### profile $ov"
+    timeout 80 python3 benchmarks/profile_kernels.py --no-sdpa --shape 8x2048:32:64 --shape 8x2048:16:128 \
+        --shape 2x8192:16:128 --shape 1x16384:16:128 --shape 1x16384:32/8:128x64+norm $ov \
+        2>&1 | grep -E "^##|ms .*%|Error" || true
+  done
+  GLASWAP_GLA_OVERRIDES=one_pass_g=1 timeout 200 python3 -m pytest -q -rfE -p no:cacheprovider -m gpu \
+      tests/test_gla_triton.py -k "test_gpu_bf16 and not odd and not chunk64" 2>&1 | tail -4 || true ;;
 quality)    # runs of the GPU recipe, one after another (two processes sharing the GPU ran
             # 4-5x slower each: NOTES, session 4); each NAME:OVERRIDES gets runs/NAME and
             # LIMIT seconds; call again with the same specs to resume the unfinished ones.

@@ -827,7 +827,7 @@ def _bwd_dqkg_kernel(q, k, v, g, do, hbuf, dhbuf, dq, dk, dg, dv, cu_seqlens, ch
                      BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, NV: tl.constexpr,
                      R: tl.constexpr, WITH_DV: tl.constexpr, IS_VARLEN: tl.constexpr,
                      DOT_BF16: tl.constexpr, PREC: tl.constexpr, SLOW_BLOCKS: tl.constexpr,
-                     PATH: tl.constexpr = 0):
+                     PATH: tl.constexpr = 0, ONE_PASS: tl.constexpr = 0):
     """dq (every head of the group), dk and dg for one chunk, one K tile, one KV head; also
     dv when WITH_DV (one K tile and one V tile cover everything: the separate dv kernel,
     with its second read of q, k, g, do, is then skipped).
@@ -839,7 +839,9 @@ def _bwd_dqkg_kernel(q, k, v, g, do, hbuf, dhbuf, dq, dk, dg, dv, cu_seqlens, ch
     cancelling parts, so strong decays (true dg ~ e^-20) keep their relative precision:
       * the diagonal terms q d k and k d q are equal and left out of both;
       * <h_{n+1}, dh_{n+1}> - revcumsum(k dk_inter) = 2^{G_last} <h_n, dh_{n+1}>
-        + exclusive cumsum(k dk_inter): only the paths that cross step s remain."""
+        + exclusive cumsum(k dk_inter): only the paths that cross step s remain.
+    ONE_PASS (one query head per KV head): the inter-chunk terms are taken in the same V loop
+    as dP, so each tile of v and h is loaded once instead of twice."""
     i_k = tl.program_id(0)
     i_c = tl.program_id(1)
     i_h = tl.program_id(2)
@@ -879,6 +881,8 @@ def _bwd_dqkg_kernel(q, k, v, g, do, hbuf, dhbuf, dq, dk, dg, dv, cu_seqlens, ch
 
     dk_acc = tl.zeros([BT, BK], dtype=tl.float32)          # intra-chunk dk, all heads
     dg_acc = tl.zeros([BT, BK], dtype=tl.float32)          # q dq - k dk without the diagonal
+    dk_inter = tl.zeros([BT, BK], dtype=tl.float32)        # v dh_{n+1}^T, before its decay
+    hdh = tl.zeros([BK], dtype=tl.float32)                 # <h_n, dh_{n+1}>_v
     for r in range(R):
         hq = i_h * R + r
         b_qr = _load_rows(q + hq * K, t0, n_valid, H * K, k0, K, BT, BK)
@@ -888,6 +892,11 @@ def _bwd_dqkg_kernel(q, k, v, g, do, hbuf, dhbuf, dq, dk, dg, dv, cu_seqlens, ch
             b_h = _load_state(hbuf + st_n, k0, 0, K, V, VS, BK, BV)
             dP = _mm(b_do, tl.trans(b_v), DOT_BF16, PREC)
             dq_h = _mm(b_do, tl.trans(b_h), DOT_BF16, PREC)
+            if ONE_PASS:
+                b_dh1 = _load_state(dhbuf + st_next, k0, 0, K, V, VS, BK, BV)
+                dk_inter += _mm(b_v, tl.trans(b_dh1), DOT_BF16, PREC)
+                hdh += tl.sum(b_h * b_dh1, axis=1)
+                b_dv += _mm(b_kr.to(tl.float32) * tl.exp2(G_last[None, :] - G), b_dh1, DOT_BF16, PREC)
             # dv's intra part first, so that P dies before dq and dk are built
             if fast:
                 P = _mm(q_e, tl.trans(k_e), DOT_BF16, PREC)
@@ -905,6 +914,10 @@ def _bwd_dqkg_kernel(q, k, v, g, do, hbuf, dhbuf, dq, dk, dg, dv, cu_seqlens, ch
                 b_h = _load_state(hbuf + st_n, k0, i_v * BV, K, V, VS, BK, BV)
                 dP += _mm(b_do, tl.trans(b_vt), DOT_BF16, PREC)
                 dq_h += _mm(b_do, tl.trans(b_h), DOT_BF16, PREC)
+                if ONE_PASS:
+                    b_dh1 = _load_state(dhbuf + st_next, k0, i_v * BV, K, V, VS, BK, BV)
+                    dk_inter += _mm(b_vt, tl.trans(b_dh1), DOT_BF16, PREC)
+                    hdh += tl.sum(b_h * b_dh1, axis=1)
         if NORM:
             # v's implicit column of ones (state column z): dP_ij += dden_i, dq_h += dden z
             dden = _load_den_grad(do + hq * VO, t0, n_valid, H * VO, V, BT)
@@ -928,16 +941,15 @@ def _bwd_dqkg_kernel(q, k, v, g, do, hbuf, dhbuf, dq, dk, dg, dv, cu_seqlens, ch
 
     # Inter-chunk part of dk (and dv), and <h_n, dh_{n+1}> over the whole V.
     e_end = tl.exp2(G_last[None, :] - G)                   # exponent <= 0 on both paths
-    dk_inter = tl.zeros([BT, BK], dtype=tl.float32)
-    hdh = tl.zeros([BK], dtype=tl.float32)
-    for i_v in range(NV):
-        b_vt = _load_rows(vp, t0, n_valid, Hkv * V, i_v * BV, V, BT, BV)
-        b_dh1 = _load_state(dhbuf + st_next, k0, i_v * BV, K, V, VS, BK, BV)
-        b_h = _load_state(hbuf + st_n, k0, i_v * BV, K, V, VS, BK, BV)
-        dk_inter += _mm(b_vt, tl.trans(b_dh1), DOT_BF16, PREC)
-        hdh += tl.sum(b_h * b_dh1, axis=1)
-        if WITH_DV:
-            b_dv += _mm(b_kr.to(tl.float32) * e_end, b_dh1, DOT_BF16, PREC)
+    if not ONE_PASS:
+        for i_v in range(NV):
+            b_vt = _load_rows(vp, t0, n_valid, Hkv * V, i_v * BV, V, BT, BV)
+            b_dh1 = _load_state(dhbuf + st_next, k0, i_v * BV, K, V, VS, BK, BV)
+            b_h = _load_state(hbuf + st_n, k0, i_v * BV, K, V, VS, BK, BV)
+            dk_inter += _mm(b_vt, tl.trans(b_dh1), DOT_BF16, PREC)
+            hdh += tl.sum(b_h * b_dh1, axis=1)
+            if WITH_DV:
+                b_dv += _mm(b_kr.to(tl.float32) * e_end, b_dh1, DOT_BF16, PREC)
     if NORM:
         dz1 = _load_col(dhbuf + st_next, k0, K, V, VS, BK)
         dk_inter += tl.where(rows < n_valid, 1.0, 0.0)[:, None] * dz1[None, :]
@@ -1319,6 +1331,9 @@ class _Config:
         wide_tiles = self.BT * max(self.BK_g, self.BV_g) >= 64 * 64
         self.warps_g = 8 if wide_tiles and not self.dot_bf16 else 4
         self.stages_g = None                           # the dq/dk/dg kernel's own (tuning)
+        # With one query head per KV head, the inter-chunk terms in dP's V loop (ONE_PASS in
+        # the kernel): v and h loaded once. Tuning knob, off: not yet timed.
+        self.one_pass_g = 0
         self.warps_dv = self.warps_o
         # Software-pipelined tile loops in the chunk kernels (output, dq/dk/dg, dv): the loads
         # of the next V tile or query head overlap this one's matmuls. H200, bf16, kernel ms
@@ -1568,7 +1583,8 @@ def _backward(q, k, v, g, scale, hbuf, meta, do, dht, want_dh0):
         _bwd_dqkg_kernel[(cfg.NK_g, total, Hkv)](
             q, k, v, g, do, hbuf, dhbuf, dq, dk, dg, dv, cu, offsets, indices, T, scale,
             H=H, Hkv=Hkv, K=K, V=V, BT=cfg.BT, BK=cfg.BK_g, BV=cfg.BV_g, NV=cfg.NV_g, R=R,
-            WITH_DV=cfg.merge_dv, SLOW_BLOCKS=cfg.slow_blocks, PATH=path, **common,
+            WITH_DV=cfg.merge_dv, SLOW_BLOCKS=cfg.slow_blocks, PATH=path,
+            ONE_PASS=int(bool(cfg.one_pass_g) and R == 1), **common,
             **_opts(cfg.warps_g, cfg.stages_g or cfg.stages_chunk, cfg.regs_g))
     if not cfg.merge_dv:
         all_v = cfg.NV_o if cfg.dv_all_v and R == 1 and cfg.NK_o == 1 and cfg.NV_o > 1 else 0

@@ -501,6 +501,22 @@ def test_split_g_default_splits_only_dqkg(monkeypatch):
 
 
 @needs_kernels
+def test_one_pass_dqkg(monkeypatch):
+    """one_pass_g=1 (a tuning knob): with one query head per KV head the dq/dk/dg kernel takes
+    the inter-chunk terms in dP's V loop. dv merged (one K and V tile), several V tiles, the
+    normaliser with packed documents, both paths of the split; grouped queries keep two loops."""
+    monkeypatch.setitem(gla_triton.OVERRIDES, "one_pass_g", 1)
+    launches = record_launches(monkeypatch, "_bwd_dqkg_kernel")
+    run_and_compare(B=2, T=100, H=2, Hkv=2, K=32, V=32, gate="patchy")                 # dv merged
+    run_and_compare(B=1, T=100, H=2, Hkv=2, K=48, V=40, gate="mixed", tiles=(16, 16))  # 3 V tiles
+    run_and_compare(B=1, T=150, H=2, Hkv=2, K=80, V=48, gate="patchy", seqs=[30, 120],
+                    normalizer=True, dtype=torch.bfloat16)                             # split
+    run_and_compare(B=1, T=70, H=4, Hkv=2, K=32, V=32)                                 # R = 2
+    flags = [(kw["ONE_PASS"], kw["H"] // kw["Hkv"]) for _, kw in launches]
+    assert flags.count((1, 1)) >= 4 and (0, 2) in flags and (1, 2) not in flags, flags
+
+
+@needs_kernels
 def test_custom_scale():
     run_and_compare(B=1, T=30, H=2, Hkv=1, K=16, V=16, scale=0.3)
 
