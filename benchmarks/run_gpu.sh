@@ -36,6 +36,7 @@
 #   bash benchmarks/run_gpu.sh next20a       # session 15: those variants on one machine, the new paths' GPU tests
 #   bash benchmarks/run_gpu.sh next20b       # ... the new dq/dk/dg defaults against per-kernel variants; the table
 #   bash benchmarks/run_gpu.sh next20c       # ... ONE_PASS dq/dk/dg, wide sequential tiles at 2x8192/16K D128
+#   bash benchmarks/run_gpu.sh next20d       # ... the kernel file's GPU tests and the table on those defaults
 #   bash benchmarks/run_gpu.sh quality "NAME:OVERRIDES" ...  # GPU recipe runs, in turn
 #       (after the payload steps; call again to resume the unfinished ones)
 #   bash benchmarks/run_gpu.sh quality-par "NAME:OVERRIDES" ...  # the same at once, one GPU each
@@ -429,6 +430,13 @@ next20c)    # session 15, third call: ONE_PASS dq/dk/dg (v and h loaded once; pt
   done
   GLASWAP_GLA_OVERRIDES=one_pass_g=1 timeout 200 python3 -m pytest -q -rfE -p no:cacheprovider -m gpu \
       tests/test_gla_triton.py -k "test_gpu_bf16 and not odd and not chunk64" 2>&1 | tail -4 || true ;;
+next20d)    # session 15, last call: the defaults after next20c (ONE_PASS dq/dk/dg at K > 64; wide
+            # sequential tiles where tiles of 64 segment anyway, state pass on 8 warps):
+            # every GPU test of the kernel file, then the table. Predicted f+b from the kernel
+            # sums: 8x2048 D128 ~1.41 ms, 2x8192 D128 ~1.64 (3.1x the seed), 16K D128 ~1.59
+  timeout 320 python3 -m pytest -q -rfE -p no:cacheprovider -m gpu tests/test_gla_triton.py 2>&1 | tail -5 || true
+  timeout 250 python3 benchmarks/bench_kernels.py --json "$OUT/table.json" 2>&1 | tee "$OUT/table.log" \
+      | grep -E "^(shape|[0-9]+x|  CHECK)" || true ;;
 quality)    # runs of the GPU recipe, one after another (two processes sharing the GPU ran
             # 4-5x slower each: NOTES, session 4); each NAME:OVERRIDES gets runs/NAME and
             # LIMIT seconds; call again with the same specs to resume the unfinished ones.

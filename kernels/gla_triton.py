@@ -1332,8 +1332,10 @@ class _Config:
         self.warps_g = 8 if wide_tiles and not self.dot_bf16 else 4
         self.stages_g = None                           # the dq/dk/dg kernel's own (tuning)
         # With one query head per KV head, the inter-chunk terms in dP's V loop (ONE_PASS in
-        # the kernel): v and h loaded once. Tuning knob, off: not yet timed.
-        self.one_pass_g = 0
+        # the kernel): v and h loaded once. H200, bf16, kernel ms (session 15): H16 D128
+        # 0.594 -> 0.569 at 8x2048, 0.597 -> 0.571 at 2x8192 (ptxas: 160 -> 248 B spilled);
+        # D64 (dv merged) 0.699 -> 0.702, so only at K > 64.
+        self.one_pass_g = 1 if self.dot_bf16 and K > 64 else 0
         self.warps_dv = self.warps_o
         # Software-pipelined tile loops in the chunk kernels (output, dq/dk/dg, dv): the loads
         # of the next V tile or query head overlap this one's matmuls. H200, bf16, kernel ms
@@ -1395,9 +1397,19 @@ class _Config:
         # 0.272 -> 0.213, dh pass 0.205 -> 0.161 (256 walks); at 4x4096 the 128 walks left
         # switch the segments on and it is slower (1.80 -> 1.96 ms, fix-up 0.11 ms). Measured
         # with one query head per KV head and without the normaliser: the rest keep 64.
-        if (tiles is None and self.dot_bf16 and 64 < V <= 128 and not normalizer and H == Hkv
-                and (B if N is None else N) * Hkv * _cdiv(K, self.BK_seq) > self.seg_max_walks):
-            self.BV_seq = np2(V)
+        # Session 15: also where the tiles of 64 would segment anyway (walks <= SMs; long
+        # enough sequences), with the state pass on 8 warps: 2x8192 H16 D128 state pass
+        # 0.299 -> 0.219 ms, dh pass 0.237 -> 0.204 (on 4; 8 gave 0.217); 1x16384 state 0.320
+        # -> 0.208, dh 0.247 -> 0.186. Between the two (4x4096: 256 walks of 64 unsegmented,
+        # 128 of 128 segmented) tiles of 64 stay.
+        if tiles is None and self.dot_bf16 and 64 < V <= 128 and not normalizer and H == Hkv:
+            def walks(bv):
+                return (B if N is None else N) * Hkv * _cdiv(K, self.BK_seq) * _cdiv(V, bv)
+            if walks(np2(V)) > self.seg_max_walks:
+                self.BV_seq = np2(V)
+            elif walks(self.BV_seq) <= self.seg_max_walks and _cdiv(T, self.BT) > 2 * self.seg_min:
+                self.BV_seq = np2(V)
+                self.warps_seq, self.warps_dh = 8, 4
         self.state_dtype = torch.bfloat16 if dtype == torch.bfloat16 else torch.float32
         for name, value in OVERRIDES.items():
             setattr(self, name, value)

@@ -428,12 +428,15 @@ def test_sequential_passes_take_all_of_v_when_walks_fill_the_gpu(monkeypatch):
     passes walk all of V in one tile when (sequences x KV heads x K tiles) exceeds the SM
     count, so no segments are needed; otherwise tiles of 64. Here the GPU is made 2 SMs
     wide so a tiny problem takes the wide path in the interpreter, and it must still match
-    the recurrence (packed documents and the initial/final states included)."""
+    the recurrence (packed documents and the initial/final states included). Where tiles of
+    64 would segment anyway, 128 with the state pass on 8 warps (session 15)."""
     def bv(B, H, Hkv, K, V, norm=False, dtype=torch.bfloat16):
         return gla_triton._Config(B, 2048, H, Hkv, K, V, B, dtype, torch.device("cpu"),
                                   normalizer=norm).BV_seq
-    # H200 (132 SMs): 8x2048 H16 D128 has 256 walks; 4x4096 only 128 and keeps 64
+    # H200 (132 SMs): 8x2048 H16 D128 has 256 walks; 4x4096 only 128 and keeps 64 (256
+    # unsegmented walks of 64); 2x8192 segments with either tile and takes 128
     assert bv(8, 16, 16, 128, 128) == 128 and bv(4, 16, 16, 128, 128) == 64
+    assert bv(2, 16, 16, 128, 128) == 128 and bv(1, 16, 16, 128, 128) == 128
     assert bv(8, 16, 16, 128, 128, norm=True) == 64 and bv(8, 32, 8, 128, 128) == 64
     assert bv(8, 16, 16, 128, 128, dtype=torch.float32) == 64 and bv(8, 32, 32, 64, 64) == 64
     monkeypatch.setitem(gla_triton.OVERRIDES, "BV_seq", 128)
@@ -445,6 +448,14 @@ def test_sequential_passes_take_all_of_v_when_walks_fill_the_gpu(monkeypatch):
     run_and_compare(B=2, T=70, H=2, Hkv=2, K=80, V=80, dtype=torch.bfloat16)
     run_and_compare(B=1, T=90, H=2, Hkv=2, K=80, V=80, dtype=torch.bfloat16, seqs=[20, 45, 25])
     assert launches and all(grid[1] == 1 for grid, _ in launches), launches     # one V tile
+
+    # 64 SMs: 16 walks of 64-wide tiles would segment anyway, so 8 of 128 on 8 warps, segmented
+    monkeypatch.setattr(gla_triton, "_num_sms", lambda device: 64)
+    launches.clear()
+    dh = record_launches(monkeypatch, "_bwd_dh_kernel")
+    run_and_compare(B=2, T=150, H=2, Hkv=2, K=80, V=80, dtype=torch.bfloat16, chunk=16)
+    assert [(grid[1], kw["num_warps"], kw["SEGMENTED"]) for grid, kw in launches] == [(1, 8, True)]
+    assert [(grid[1], kw["num_warps"]) for grid, kw in dh] == [(1, 4)], dh
 
 
 @needs_kernels
@@ -474,14 +485,14 @@ def test_split_slow_two_launches(monkeypatch, blocks):
 
 
 def test_dqkg_launch_rules():
-    """bf16 dq/dk/dg on 4 warps at every K, split in two launches only at K > 64 (H200,
-    session 15); fp32 operands keep 8 warps on wide tiles and one launch."""
+    """bf16 dq/dk/dg on 4 warps at every K, split in two launches and in one V pass only at
+    K > 64 (H200, session 15); fp32 operands keep 8 warps on wide tiles, one launch, two passes."""
     def cfg(K, V, dtype=torch.bfloat16):
         c = gla_triton._Config(8, 2048, 16, 16, K, V, 8, dtype, torch.device("cpu"))
-        return c.warps_g, c.split_g
-    assert cfg(128, 128) == (4, 1) and cfg(128, 64) == (4, 1) and cfg(80, 80) == (4, 1)
-    assert cfg(64, 64) == (4, 0) and cfg(48, 48) == (4, 0)
-    assert cfg(128, 128, torch.float32) == (8, 0)
+        return c.warps_g, c.split_g, c.one_pass_g
+    assert cfg(128, 128) == (4, 1, 1) and cfg(128, 64) == (4, 1, 1) and cfg(80, 80) == (4, 1, 1)
+    assert cfg(64, 64) == (4, 0, 0) and cfg(48, 48) == (4, 0, 0)
+    assert cfg(128, 128, torch.float32) == (8, 0, 0)
 
 
 @needs_kernels
@@ -821,6 +832,10 @@ def test_gpu_bf16_wide_sequential_tiles():
     cfg = gla_triton._Config(8, 1024, 16, 16, 128, 128, 8, torch.bfloat16, torch.device("cuda"))
     assert cfg.BV_seq == 128 or 8 * 16 * 2 <= cfg.seg_max_walks
     _gpu_compare(B=8, T=1024, H=16, Hkv=16, K=128, V=128)
+    # 1 x 16 x 2 x 2 walks of 64-wide tiles segment anyway: 128 wide, segmented, 8 warps
+    cfg = gla_triton._Config(1, 8192, 16, 16, 128, 128, 1, torch.bfloat16, torch.device("cuda"))
+    assert cfg.BV_seq == 128 and cfg.warps_seq == 8 or 64 > cfg.seg_max_walks
+    _gpu_compare(B=1, T=8192, H=16, Hkv=16, K=128, V=128)
 
 
 @gpu
