@@ -1363,11 +1363,11 @@ class _Config:
         # three kernels split, H200 kernel ms (session 15) at 8x2048 H32 D64 1.146 -> 1.269,
         # 8x2048 H16 D128 1.618 -> 1.753 (dq/dk/dg on 8 warps then); see split_g.
         self.split_slow = 0
-        # The same split for the dq/dk/dg kernel alone, on for bf16 at K > 64 (4 warps): its
-        # one-matmul launch drops from 255 registers and 134 spilled bytes to 216 and none
-        # (ptxas). H200 kernel ms (session 15): 8x2048 H16 D128 0.630 -> 0.595, the 1B layer
-        # 0.838 -> 0.618. Not for D64 (0.699 -> 0.788: twice the small programs), nor on 8
-        # warps (D128 0.779 -> 0.887), nor for the output and dv kernels (D128 +7% and +4%).
+        # The same split for the dq/dk/dg kernel alone, on for bf16 at K > 64: on 4 warps the
+        # one kernel spills 1616 bytes at D128, its one-matmul launch 160 (ptxas, sm_90).
+        # H200 kernel ms (session 15): 8x2048 H16 D128 0.630 -> 0.595, the 1B layer 0.838
+        # -> 0.618. Not for D64 (0.699 -> 0.788: twice the small programs), nor on 8 warps
+        # (D128 0.779 -> 0.887), nor for the output and dv kernels (D128 +7% and +4%).
         self.split_g = 1 if self.dot_bf16 and K > 64 else 0
         # Chunks of 32 when the state is narrow: trained gates then mostly stay on the
         # one-matmul path (a chunk of 32 factorises down to ~0.18 of the state kept a step,
