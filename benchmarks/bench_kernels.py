@@ -432,9 +432,9 @@ def ptxas_report(cases=PTXAS_CASES, arch=90, out=sys.stdout, layer_cases=PTXAS_L
                 cu = torch.tensor([0] + [sum(docs[:i + 1]) for i in range(len(docs))],
                                   dtype=torch.int32)
             h0 = torch.zeros(N, Hkv, K, V + norm)
-            o, ht, hbuf, meta = gla_triton._forward(q, k, v, k, K ** -0.5, h0, True, cu, None,
-                                                    None, None, norm)
-            gla_triton._backward(q, k, v, k, K ** -0.5, hbuf, meta, o, ht, True)
+            o, ht, hbuf, pbuf, meta = gla_triton._forward(q, k, v, k, K ** -0.5, h0, True, cu, None,
+                                                          None, None, norm, for_grad=True)
+            gla_triton._backward(q, k, v, k, K ** -0.5, hbuf, pbuf, meta, o, ht, True)
             if docs is None and not norm:
                 gla_triton.fused_recurrent_gla(q[:, :1], k[:, :1], v[:, :1], k[:, :1],
                                                initial_state=h0, output_final_state=True)
@@ -523,7 +523,8 @@ def ptxas_report(cases=PTXAS_CASES, arch=90, out=sys.stdout, layer_cases=PTXAS_L
             loads[width] += len(re.findall(rf"\bcp\.async\.c[ag]\.shared\.global[^;]*,\s*{size}\b", ptx))
         shown = {k: v for k, v in constexprs.items()
                  if k in ("K", "V", "BT", "BK", "BV", "R", "NK", "NV", "WITH_DV", "ALL_V", "IS_VARLEN",
-                          "DOT_BF16", "NORM", "SEGMENTED", "D", "PM", "DW_MODE", "PATH", "ONE_PASS")}
+                          "DOT_BF16", "NORM", "SEGMENTED", "D", "PM", "DW_MODE", "PATH", "ONE_PASS",
+                          "STORE_P", "LOAD_P")}
         row = dict(kernel=fn.__name__, grid=str(grid), regs=regs, spill_bytes=spills,
                    smem=compiled.metadata.shared, loads_x1=loads[1], loads_x2=loads[2],
                    loads_x4=loads[4], **options, **shown)

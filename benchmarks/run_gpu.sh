@@ -37,6 +37,7 @@
 #   bash benchmarks/run_gpu.sh next20b       # ... the new dq/dk/dg defaults against per-kernel variants; the table
 #   bash benchmarks/run_gpu.sh next20c       # ... ONE_PASS dq/dk/dg, wide sequential tiles at 2x8192/16K D128
 #   bash benchmarks/run_gpu.sh next20d       # ... the kernel file's GPU tests and the table on those defaults
+#   bash benchmarks/run_gpu.sh next20e       # ... keep_p (dv reads the forward's scores) timed and GPU-tested
 #   bash benchmarks/run_gpu.sh quality "NAME:OVERRIDES" ...  # GPU recipe runs, in turn
 #       (after the payload steps; call again to resume the unfinished ones)
 #   bash benchmarks/run_gpu.sh quality-par "NAME:OVERRIDES" ...  # the same at once, one GPU each
@@ -437,6 +438,15 @@ next20d)    # session 15, last call: the defaults after next20c (ONE_PASS dq/dk/
   timeout 320 python3 -m pytest -q -rfE -p no:cacheprovider -m gpu tests/test_gla_triton.py 2>&1 | tail -5 || true
   timeout 250 python3 benchmarks/bench_kernels.py --json "$OUT/table.json" 2>&1 | tee "$OUT/table.log" \
       | grep -E "^(shape|[0-9]+x|  CHECK)" || true ;;
+next20e)    # session 15, the last 4 device-minutes: keep_p (the forward keeps s * mask(P), dv reads
+            # it; ptxas D128 dv 255 registers and 652 B spilled -> 232 and none) against the
+            # defaults, then its GPU test
+  for ov in "" "--set keep_p=1"; do
+    echo "### profile $ov"
+    timeout 50 python3 benchmarks/profile_kernels.py --no-sdpa --shape 8x2048:32:64 --shape 8x2048:16:128 \
+        --shape 1x16384:32/8:128x64+norm $ov 2>&1 | grep -E "^##|ms .*%|Error" || true
+  done
+  timeout 75 python3 -m pytest -q -rfE -p no:cacheprovider -m gpu tests/test_gla_triton.py -k keep_p 2>&1 | tail -3 || true ;;
 quality)    # runs of the GPU recipe, one after another (two processes sharing the GPU ran
             # 4-5x slower each: NOTES, session 4); each NAME:OVERRIDES gets runs/NAME and
             # LIMIT seconds; call again with the same specs to resume the unfinished ones.

@@ -619,17 +619,19 @@ def _seg_fixup_kernel(buf, dec, cu_seqlens, chunk_offsets, chunk_indices, T, seg
 
 
 @triton.jit
-def _fwd_output_kernel(q, k, v, g, o, hbuf, cu_seqlens, chunk_offsets, chunk_indices, T, scale,
+def _fwd_output_kernel(q, k, v, g, o, hbuf, pbuf, cu_seqlens, chunk_offsets, chunk_indices, T, scale,
                        H: tl.constexpr, Hkv: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
                        VS: tl.constexpr, VO: tl.constexpr, NORM: tl.constexpr,
                        BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
                        NK: tl.constexpr, NV: tl.constexpr, R: tl.constexpr,
                        IS_VARLEN: tl.constexpr, DOT_BF16: tl.constexpr, PREC: tl.constexpr,
-                       SLOW_BLOCKS: tl.constexpr, PATH: tl.constexpr = 0):
+                       SLOW_BLOCKS: tl.constexpr, PATH: tl.constexpr = 0,
+                       STORE_P: tl.constexpr = 0):
     """o for one chunk and every query head of one KV group. When K fits one tile the k-side
     work (loads, 2^G, k 2^-G) is done once for the group; otherwise it is redone per head.
     NORM: column V of o gets the normaliser s * (rowsum(mask(P)) + (q 2^G) z), what a column
-    of ones in v would give."""
+    of ones in v would give. STORE_P: s * mask(P) is also written to pbuf ([tokens, H, BT],
+    the backward's dv reads it instead of rebuilding it)."""
     i_c = tl.program_id(0)
     i_h = tl.program_id(1)
     i_n, i_t = _chunk_coords(i_c, chunk_indices, T, BT, IS_VARLEN)
@@ -666,6 +668,8 @@ def _fwd_output_kernel(q, k, v, g, o, hbuf, cu_seqlens, chunk_offsets, chunk_ind
             else:
                 P = _scores_slow(b_q, b_k, gp, t0, n_valid, Hkv * K, 0, K, BT, BK, DOT_BF16, PREC, SLOW_BLOCKS)
             P = tl.where(causal, P, 0.0)
+            if STORE_P:
+                _store_rows(pbuf + hq * BT, P * scale, t0, n_valid, H * BT, 0, BT, BT, BT)
             if NORM:
                 z = _load_col(hp, 0, K, V, VS, BK)
                 den = tl.sum(P, axis=1) + tl.sum(b_q * e_q * z[None, :], axis=1)
@@ -689,6 +693,8 @@ def _fwd_output_kernel(q, k, v, g, o, hbuf, cu_seqlens, chunk_offsets, chunk_ind
                     z = _load_col(hp, i_k * BK, K, V, VS, BK)
                     den += tl.sum(b_q * tl.exp2(G) * z[None, :], axis=1)
             P = tl.where(causal, P, 0.0)
+            if STORE_P:
+                _store_rows(pbuf + hq * BT, P * scale, t0, n_valid, H * BT, 0, BT, BT, BT)
             if NORM:
                 _store_den(o + hq * VO, (den + tl.sum(P, axis=1)) * scale, t0, n_valid, H * VO,
                            V, BT)
@@ -820,14 +826,14 @@ def _bwd_dh_kernel(q, g, do, dht, dh0, dhbuf, dec, segend, cu_seqlens, chunk_off
 
 
 @triton.jit
-def _bwd_dqkg_kernel(q, k, v, g, do, hbuf, dhbuf, dq, dk, dg, dv, cu_seqlens, chunk_offsets,
+def _bwd_dqkg_kernel(q, k, v, g, do, hbuf, dhbuf, pbuf, dq, dk, dg, dv, cu_seqlens, chunk_offsets,
                      chunk_indices, T, scale,
                      H: tl.constexpr, Hkv: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
                      VS: tl.constexpr, VO: tl.constexpr, NORM: tl.constexpr,
                      BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, NV: tl.constexpr,
                      R: tl.constexpr, WITH_DV: tl.constexpr, IS_VARLEN: tl.constexpr,
                      DOT_BF16: tl.constexpr, PREC: tl.constexpr, SLOW_BLOCKS: tl.constexpr,
-                     PATH: tl.constexpr = 0, ONE_PASS: tl.constexpr = 0):
+                     PATH: tl.constexpr = 0, ONE_PASS: tl.constexpr = 0, LOAD_P: tl.constexpr = 0):
     """dq (every head of the group), dk and dg for one chunk, one K tile, one KV head; also
     dv when WITH_DV (one K tile and one V tile cover everything: the separate dv kernel,
     with its second read of q, k, g, do, is then skipped).
@@ -841,7 +847,8 @@ def _bwd_dqkg_kernel(q, k, v, g, do, hbuf, dhbuf, dq, dk, dg, dv, cu_seqlens, ch
       * <h_{n+1}, dh_{n+1}> - revcumsum(k dk_inter) = 2^{G_last} <h_n, dh_{n+1}>
         + exclusive cumsum(k dk_inter): only the paths that cross step s remain.
     ONE_PASS (one query head per KV head): the inter-chunk terms are taken in the same V loop
-    as dP, so each tile of v and h is loaded once instead of twice."""
+    as dP, so each tile of v and h is loaded once instead of twice. LOAD_P: dv's s * mask(P)
+    is read from pbuf (written by the forward) instead of rebuilt."""
     i_k = tl.program_id(0)
     i_c = tl.program_id(1)
     i_h = tl.program_id(2)
@@ -898,12 +905,15 @@ def _bwd_dqkg_kernel(q, k, v, g, do, hbuf, dhbuf, dq, dk, dg, dv, cu_seqlens, ch
                 hdh += tl.sum(b_h * b_dh1, axis=1)
                 b_dv += _mm(b_kr.to(tl.float32) * tl.exp2(G_last[None, :] - G), b_dh1, DOT_BF16, PREC)
             # dv's intra part first, so that P dies before dq and dk are built
-            if fast:
-                P = _mm(q_e, tl.trans(k_e), DOT_BF16, PREC)
+            if LOAD_P:
+                P = _load_rows(pbuf + hq * BT, t0, n_valid, H * BT, 0, BT, BT, BT)
             else:
-                P = _scores_slow(b_qr.to(tl.float32), b_kr.to(tl.float32), gp, t0, n_valid,
-                                 Hkv * K, k0, K, BT, BK, DOT_BF16, PREC, SLOW_BLOCKS)
-            P = tl.where(rows[:, None] >= rows[None, :], P * scale, 0.0)
+                if fast:
+                    P = _mm(q_e, tl.trans(k_e), DOT_BF16, PREC)
+                else:
+                    P = _scores_slow(b_qr.to(tl.float32), b_kr.to(tl.float32), gp, t0, n_valid,
+                                     Hkv * K, k0, K, BT, BK, DOT_BF16, PREC, SLOW_BLOCKS)
+                P = tl.where(rows[:, None] >= rows[None, :], P * scale, 0.0)
             b_dv += _mm(tl.trans(P), b_do, DOT_BF16, PREC)
         else:
             dP = tl.zeros([BT, BT], dtype=tl.float32)
@@ -965,16 +975,17 @@ def _bwd_dqkg_kernel(q, k, v, g, do, hbuf, dhbuf, dq, dk, dg, dv, cu_seqlens, ch
 
 
 @triton.jit
-def _bwd_dv_kernel(q, k, g, do, dhbuf, dv, cu_seqlens, chunk_offsets, chunk_indices, T, scale,
+def _bwd_dv_kernel(q, k, g, do, dhbuf, pbuf, dv, cu_seqlens, chunk_offsets, chunk_indices, T, scale,
                    H: tl.constexpr, Hkv: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
                    VS: tl.constexpr, VO: tl.constexpr, NORM: tl.constexpr,
                    BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, NK: tl.constexpr,
                    R: tl.constexpr, IS_VARLEN: tl.constexpr, DOT_BF16: tl.constexpr,
                    PREC: tl.constexpr, SLOW_BLOCKS: tl.constexpr, ALL_V: tl.constexpr = 0,
-                   PATH: tl.constexpr = 0):
+                   PATH: tl.constexpr = 0, LOAD_P: tl.constexpr = 0):
     """dv = (k 2^{G_last - G}) dh_{n+1} + s * sum_heads mask(P)^T do, one chunk, one V tile.
     ALL_V > 0 (one query head per KV head, one K tile): one program per chunk walks ALL_V
-    V tiles with P built once, instead of one program per V tile each rebuilding it."""
+    V tiles with P built once, instead of one program per V tile each rebuilding it.
+    LOAD_P: s * mask(P) is read from pbuf (written by the forward): no q, no score matmul."""
     i_v = tl.program_id(0)
     i_c = tl.program_id(1)
     i_h = tl.program_id(2)
@@ -1006,12 +1017,15 @@ def _bwd_dv_kernel(q, k, g, do, dhbuf, dv, cu_seqlens, chunk_offsets, chunk_indi
             k_end = b_k * tl.exp2(G_last[None, :] - G)
         k_e = _op(k_e, DOT_BF16)
     if ALL_V > 0:
-        b_q = _load_rows(q + i_h * K, t0, n_valid, H * K, 0, K, BT, BK).to(tl.float32)
-        if fast:
-            P = _mm(b_q * e_q, tl.trans(k_e), DOT_BF16, PREC)
+        if LOAD_P:
+            P = _op(tl.trans(_load_rows(pbuf + i_h * BT, t0, n_valid, H * BT, 0, BT, BT, BT)), DOT_BF16)
         else:
-            P = _scores_slow(b_q, b_k, gp, t0, n_valid, Hkv * K, 0, K, BT, BK, DOT_BF16, PREC, SLOW_BLOCKS)
-        P = _op(tl.trans(tl.where(causal, P * scale, 0.0)), DOT_BF16)
+            b_q = _load_rows(q + i_h * K, t0, n_valid, H * K, 0, K, BT, BK).to(tl.float32)
+            if fast:
+                P = _mm(b_q * e_q, tl.trans(k_e), DOT_BF16, PREC)
+            else:
+                P = _scores_slow(b_q, b_k, gp, t0, n_valid, Hkv * K, 0, K, BT, BK, DOT_BF16, PREC, SLOW_BLOCKS)
+            P = _op(tl.trans(tl.where(causal, P * scale, 0.0)), DOT_BF16)
         k_end = _op(k_end, DOT_BF16)
         for i_v in range(ALL_V):
             b_dh1 = _load_state(dhbuf + st_next, 0, i_v * BV, K, V, VS, BK, BV)
@@ -1023,12 +1037,15 @@ def _bwd_dv_kernel(q, k, g, do, dhbuf, dv, cu_seqlens, chunk_offsets, chunk_indi
         b_dv = _mm(k_end, b_dh1, DOT_BF16, PREC)
         for r in range(R):
             hq = i_h * R + r
-            b_q = _load_rows(q + hq * K, t0, n_valid, H * K, 0, K, BT, BK).to(tl.float32)
-            if fast:
-                P = _mm(b_q * e_q, tl.trans(k_e), DOT_BF16, PREC)
+            if LOAD_P:
+                P = _load_rows(pbuf + hq * BT, t0, n_valid, H * BT, 0, BT, BT, BT)
             else:
-                P = _scores_slow(b_q, b_k, gp, t0, n_valid, Hkv * K, 0, K, BT, BK, DOT_BF16, PREC, SLOW_BLOCKS)
-            P = tl.where(causal, P * scale, 0.0)
+                b_q = _load_rows(q + hq * K, t0, n_valid, H * K, 0, K, BT, BK).to(tl.float32)
+                if fast:
+                    P = _mm(b_q * e_q, tl.trans(k_e), DOT_BF16, PREC)
+                else:
+                    P = _scores_slow(b_q, b_k, gp, t0, n_valid, Hkv * K, 0, K, BT, BK, DOT_BF16, PREC, SLOW_BLOCKS)
+                P = tl.where(causal, P * scale, 0.0)
             b_do = _load_rows(do + hq * VO, t0, n_valid, H * VO, v0, V, BT, BV)
             b_dv += _mm(tl.trans(P), b_do, DOT_BF16, PREC)
     else:
@@ -1041,12 +1058,15 @@ def _bwd_dv_kernel(q, k, g, do, dhbuf, dv, cu_seqlens, chunk_offsets, chunk_indi
         for r in range(R):
             hq = i_h * R + r
             qp = q + hq * K
-            P = tl.zeros([BT, BT], dtype=tl.float32)
-            for i_k in range(NK):
-                p, _, _ = _score_tile(qp, kp, gp, t0, n_valid, i_k * BK, H, Hkv, K, BT, BK,
-                                      DOT_BF16, PREC, SLOW_BLOCKS)
-                P += p
-            P = tl.where(causal, P * scale, 0.0)
+            if LOAD_P:
+                P = _load_rows(pbuf + hq * BT, t0, n_valid, H * BT, 0, BT, BT, BT).to(tl.float32)
+            else:
+                P = tl.zeros([BT, BT], dtype=tl.float32)
+                for i_k in range(NK):
+                    p, _, _ = _score_tile(qp, kp, gp, t0, n_valid, i_k * BK, H, Hkv, K, BT, BK,
+                                          DOT_BF16, PREC, SLOW_BLOCKS)
+                    P += p
+                P = tl.where(causal, P * scale, 0.0)
             b_do = _load_rows(do + hq * VO, t0, n_valid, H * VO, v0, V, BT, BV)
             b_dv += _mm(tl.trans(P), b_do, DOT_BF16, PREC)
     if ALL_V == 0:
@@ -1331,6 +1351,10 @@ class _Config:
         wide_tiles = self.BT * max(self.BK_g, self.BV_g) >= 64 * 64
         self.warps_g = 8 if wide_tiles and not self.dot_bf16 else 4
         self.stages_g = None                           # the dq/dk/dg kernel's own (tuning)
+        # The forward keeps s * mask(P) for the backward's dv (LOAD_P): 2 bytes a token, query
+        # head and chunk column in bf16 (128 B at chunks of 64: an eighth of q, k, v, g, o at
+        # D128); dv then needs no q, score matmul or exact path. Tuning knob, off: not yet timed.
+        self.keep_p = 0
         # With one query head per KV head, the inter-chunk terms in dP's V loop (ONE_PASS in
         # the kernel): v and h loaded once. H200, bf16, kernel ms (session 15): H16 D128
         # 0.594 -> 0.569 at 8x2048, 0.597 -> 0.571 at 2x8192 (ptxas: 160 -> 248 B spilled);
@@ -1462,7 +1486,8 @@ def _opts(warps, stages, regs):
     return opts
 
 
-def _forward(q, k, v, g, scale, h0, want_ht, cu_seqlens, tiles, chunk, segment, normalizer):
+def _forward(q, k, v, g, scale, h0, want_ht, cu_seqlens, tiles, chunk, segment, normalizer,
+             for_grad=False):
     B, T, H, Hkv, K, V, N = _check(q, k, v, g, h0, cu_seqlens, chunked=True,
                                    normalizer=normalizer)
     VU = V + int(normalizer)                        # state columns (z last) and o's columns
@@ -1489,6 +1514,11 @@ def _forward(q, k, v, g, scale, h0, want_ht, cu_seqlens, tiles, chunk, segment, 
     # aligned rows let the kernels that write o and read its gradient use vector accesses
     # (the fused normaliser's backward hands the gradient back in the same layout).
     o = _new((B, T, H, VS), q.dtype, q.device)[..., :VU]
+    # keep_p: the output kernel also writes s * mask(P) of every chunk ([tokens, H, BT], the
+    # matmul operand's dtype), which the backward's dv reads instead of rebuilding it.
+    pbuf = None
+    if for_grad and cfg.keep_p:
+        pbuf = _new((B, T, H, cfg.BT), torch.bfloat16 if cfg.dot_bf16 else torch.float32, q.device)
     common = dict(IS_VARLEN=cu is not None, DOT_BF16=cfg.dot_bf16, PREC=cfg.prec,
                   VS=VS, VO=VS, NORM=bool(normalizer))
     dec, segend = _segment_buffers(seg, n_entries, Hkv, K, VS, q.device)
@@ -1502,12 +1532,12 @@ def _forward(q, k, v, g, scale, h0, want_ht, cu_seqlens, tiles, chunk, segment, 
                         Hkv, K, VU, VS, reverse=False)
     for path in _paths(cfg.split_slow, cfg.NK_o == 1):
         _fwd_output_kernel[(total, Hkv)](
-            q, k, v, g, o, hbuf, cu, offsets, indices, T, scale,
+            q, k, v, g, o, hbuf, pbuf, cu, offsets, indices, T, scale,
             H=H, Hkv=Hkv, K=K, V=V, BT=cfg.BT, BK=cfg.BK_o, BV=cfg.BV_o, NK=cfg.NK_o, NV=cfg.NV_o,
-            R=R, SLOW_BLOCKS=cfg.slow_blocks, PATH=path, **common,
+            R=R, SLOW_BLOCKS=cfg.slow_blocks, PATH=path, STORE_P=int(pbuf is not None), **common,
             **_opts(cfg.warps_o, cfg.stages_chunk, cfg.regs_o))
     meta = (cfg, cu, offsets, indices, total, N, seg, bool(normalizer))
-    return o, ht, hbuf, meta
+    return o, ht, hbuf, pbuf, meta
 
 
 def _row_stride(x):
@@ -1561,7 +1591,7 @@ def _chain_segments(cfg, seg, buf, dec, segend, final, cu, offsets, indices, T, 
         NV=NV, REVERSE=reverse, IS_VARLEN=IS_VARLEN, num_warps=4)
 
 
-def _backward(q, k, v, g, scale, hbuf, meta, do, dht, want_dh0):
+def _backward(q, k, v, g, scale, hbuf, pbuf, meta, do, dht, want_dh0):
     cfg, cu, offsets, indices, total, N, seg, normalizer = meta
     B, T, H, K = q.shape
     Hkv, V = k.shape[2], v.shape[3]
@@ -1593,18 +1623,19 @@ def _backward(q, k, v, g, scale, hbuf, meta, do, dht, want_dh0):
                         Hkv, K, VU, VS, reverse=True)
     for path in _paths(cfg.split_slow or cfg.split_g, True):
         _bwd_dqkg_kernel[(cfg.NK_g, total, Hkv)](
-            q, k, v, g, do, hbuf, dhbuf, dq, dk, dg, dv, cu, offsets, indices, T, scale,
+            q, k, v, g, do, hbuf, dhbuf, pbuf, dq, dk, dg, dv, cu, offsets, indices, T, scale,
             H=H, Hkv=Hkv, K=K, V=V, BT=cfg.BT, BK=cfg.BK_g, BV=cfg.BV_g, NV=cfg.NV_g, R=R,
             WITH_DV=cfg.merge_dv, SLOW_BLOCKS=cfg.slow_blocks, PATH=path,
-            ONE_PASS=int(bool(cfg.one_pass_g) and R == 1), **common,
+            ONE_PASS=int(bool(cfg.one_pass_g) and R == 1), LOAD_P=int(pbuf is not None), **common,
             **_opts(cfg.warps_g, cfg.stages_g or cfg.stages_chunk, cfg.regs_g))
     if not cfg.merge_dv:
         all_v = cfg.NV_o if cfg.dv_all_v and R == 1 and cfg.NK_o == 1 and cfg.NV_o > 1 else 0
         for path in _paths(cfg.split_slow, cfg.NK_o == 1):
             _bwd_dv_kernel[(1 if all_v else cfg.NV_o, total, Hkv)](
-                q, k, g, do, dhbuf, dv, cu, offsets, indices, T, scale,
+                q, k, g, do, dhbuf, pbuf, dv, cu, offsets, indices, T, scale,
                 H=H, Hkv=Hkv, K=K, V=V, BT=cfg.BT, BK=cfg.BK_o, BV=cfg.BV_o, NK=cfg.NK_o, R=R,
-                SLOW_BLOCKS=cfg.slow_blocks, ALL_V=all_v, PATH=path, **common,
+                SLOW_BLOCKS=cfg.slow_blocks, ALL_V=all_v, PATH=path, LOAD_P=int(pbuf is not None),
+                **common,
                 **_opts(cfg.warps_dv, cfg.stages_chunk, cfg.regs_dv))
     return dq, dk, dv, dg, dh0
 
@@ -1613,11 +1644,11 @@ class _FusedChunkGLA(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, g, scale, initial_state, output_final_state, cu_seqlens, tiles,
-                chunk, segment, normalizer):
+                chunk, segment, normalizer, for_grad):
         q, k, v, g = (x.contiguous() for x in (q, k, v, g))
-        o, ht, hbuf, meta = _forward(q, k, v, g, scale, initial_state, output_final_state,
-                                     cu_seqlens, tiles, chunk, segment, normalizer)
-        ctx.save_for_backward(q, k, v, g, hbuf)
+        o, ht, hbuf, pbuf, meta = _forward(q, k, v, g, scale, initial_state, output_final_state,
+                                           cu_seqlens, tiles, chunk, segment, normalizer, for_grad)
+        ctx.save_for_backward(q, k, v, g, hbuf, pbuf)
         ctx.meta = meta
         ctx.scale = scale
         ctx.has_h0 = initial_state is not None
@@ -1628,15 +1659,16 @@ class _FusedChunkGLA(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, do, dht):
-        q, k, v, g, hbuf = ctx.saved_tensors
+        q, k, v, g, hbuf, pbuf = ctx.saved_tensors
         if do is None:
             do = torch.zeros(q.shape[:3] + (v.shape[3] + int(ctx.meta[-1]),), dtype=q.dtype,
                              device=q.device)
         want_dh0 = ctx.has_h0 and ctx.needs_input_grad[5]
-        dq, dk, dv, dg, dh0 = _backward(q, k, v, g, ctx.scale, hbuf, ctx.meta, do, dht, want_dh0)
+        dq, dk, dv, dg, dh0 = _backward(q, k, v, g, ctx.scale, hbuf, pbuf, ctx.meta, do, dht,
+                                        want_dh0)
         if dh0 is not None and dh0.dtype != ctx.h0_dtype:
             dh0 = dh0.to(ctx.h0_dtype)               # autograd wants the input's dtype
-        return dq, dk, dv, dg, None, dh0, None, None, None, None, None, None
+        return dq, dk, dv, dg, None, dh0, None, None, None, None, None, None, None
 
 
 def fused_chunk_gla(q, k, v, g, scale=None, initial_state=None, output_final_state=False,
@@ -1661,8 +1693,11 @@ def fused_chunk_gla(q, k, v, g, scale=None, initial_state=None, output_final_sta
     """
     _check(q, k, v, g, initial_state, cu_seqlens, chunked=True, normalizer=bool(normalizer))
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
+    # Buffers kept only for a backward (keep_p) are written only when one can follow.
+    for_grad = torch.is_grad_enabled() and any(
+        x is not None and x.requires_grad for x in (q, k, v, g, initial_state))
     return _FusedChunkGLA.apply(q, k, v, g, scale, initial_state, bool(output_final_state),
-                                cu_seqlens, _tiles, _chunk, _segment, bool(normalizer))
+                                cu_seqlens, _tiles, _chunk, _segment, bool(normalizer), for_grad)
 
 
 def fused_recurrent_gla(q, k, v, g, scale=None, initial_state=None, output_final_state=False):

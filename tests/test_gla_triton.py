@@ -528,6 +528,32 @@ def test_one_pass_dqkg(monkeypatch):
 
 
 @needs_kernels
+def test_keep_p_dv_reads_the_forward_scores(monkeypatch):
+    """keep_p=1 (a tuning knob): the output kernel writes s * mask(P) and the dv paths read it
+    (dv over all V tiles, per V tile with grouped queries, several K tiles, dv merged into
+    dq/dk/dg), exact-path chunks included; the buffer starts as NaN, so a chunk the forward
+    skipped fails. Without gradients (no_grad) nothing is written."""
+    monkeypatch.setitem(gla_triton.OVERRIDES, "keep_p", 1)
+    names = ("_fwd_output_kernel", "_bwd_dqkg_kernel", "_bwd_dv_kernel")
+    launches = {name: record_launches(monkeypatch, name) for name in names}
+    run_and_compare(B=1, T=100, H=2, Hkv=2, K=80, V=80, gate="patchy", dtype=torch.bfloat16)  # all V
+    run_and_compare(B=1, T=150, H=4, Hkv=2, K=32, V=80, gate="patchy", seqs=[30, 120],
+                    normalizer=True)                                        # one K tile, R = 2
+    run_and_compare(B=1, T=100, H=2, Hkv=1, K=48, V=40, gate="mixed", tiles=(16, 16))  # K tiles
+    run_and_compare(B=2, T=70, H=2, Hkv=2, K=32, V=32, gate="patchy")      # dv merged
+    flags = collections.Counter((name, kw.get("STORE_P", kw.get("LOAD_P")))
+                                for name in names for _, kw in launches[name])
+    # dq/dk/dg: the bf16 K = 80 case runs in two launches (split_g)
+    assert flags[("_fwd_output_kernel", 1)] == 4 and flags[("_bwd_dqkg_kernel", 1)] == 5, flags
+    assert flags[("_bwd_dv_kernel", 1)] == 3 and flags[("_bwd_dv_kernel", 0)] == 0, flags
+    launches["_fwd_output_kernel"].clear()
+    (q, k, v, g), _, _, _, _ = make_inputs(1, 40, 2, 2, 16, 16)
+    with torch.no_grad():
+        fused_chunk_gla(*(x.to(DEVICE).requires_grad_() for x in (q, k, v, g)))
+    assert [kw["STORE_P"] for _, kw in launches["_fwd_output_kernel"]] == [0]
+
+
+@needs_kernels
 def test_custom_scale():
     run_and_compare(B=1, T=30, H=2, Hkv=1, K=16, V=16, scale=0.3)
 
@@ -850,6 +876,18 @@ def test_gpu_bf16_split_slow(monkeypatch):
     monkeypatch.setitem(gla_triton.OVERRIDES, "split_slow", 1)
     _gpu_compare(B=2, T=2048, H=16, Hkv=16, K=128, V=128)
     _gpu_compare(B=2, T=2048, H=16, Hkv=16, K=128, V=128, trained=True)
+    _gpu_compare(B=1, T=4096, H=16, Hkv=4, K=128, V=64, trained=True, normalizer=True)
+
+
+@gpu
+@gpu_only
+def test_gpu_bf16_keep_p(monkeypatch):
+    # keep_p=1 (tuning knob): dv from the forward's scores at D128 (weak and trained gates),
+    # merged into dq/dk/dg at D64, and with grouped queries and the normaliser (1B layer)
+    monkeypatch.setitem(gla_triton.OVERRIDES, "keep_p", 1)
+    _gpu_compare(B=2, T=2048, H=16, Hkv=16, K=128, V=128)
+    _gpu_compare(B=2, T=2048, H=16, Hkv=16, K=128, V=128, trained=True)
+    _gpu_compare(B=2, T=2048, H=32, Hkv=32, K=64, V=64, trained=True)
     _gpu_compare(B=1, T=4096, H=16, Hkv=4, K=128, V=64, trained=True, normalizer=True)
 
 
