@@ -1352,9 +1352,13 @@ class _Config:
         self.warps_g = 8 if wide_tiles and not self.dot_bf16 else 4
         self.stages_g = None                           # the dq/dk/dg kernel's own (tuning)
         # The forward keeps s * mask(P) for the backward's dv (LOAD_P): 2 bytes a token, query
-        # head and chunk column in bf16 (128 B at chunks of 64: an eighth of q, k, v, g, o at
-        # D128); dv then needs no q, score matmul or exact path. Tuning knob, off: not yet timed.
-        self.keep_p = 0
+        # head and chunk column in bf16 (128 B at chunks of 64, 64 at 32: about an eighth of
+        # q, k, v, g, o at D128); dv then needs no q, score matmul or exact path (ptxas, D128:
+        # 255 registers, 652 B spilled -> 232, none). H200 kernel ms (session 15): 8x2048 H16
+        # D128 dv 0.242 -> 0.161, output 0.218 -> 0.226, f+b 1.409 -> 1.337; the 1B layer dv
+        # 0.205 -> 0.105, f+b 1.685 -> 1.600. At D64 (dv merged into dq/dk/dg) the output
+        # kernel's extra store costs more than dq/dk/dg gains (1.144 -> 1.188): bf16, K > 64.
+        self.keep_p = 1 if self.dot_bf16 and K > 64 else 0
         # With one query head per KV head, the inter-chunk terms in dP's V loop (ONE_PASS in
         # the kernel): v and h loaded once. H200, bf16, kernel ms (session 15): H16 D128
         # 0.594 -> 0.569 at 8x2048, 0.597 -> 0.571 at 2x8192 (ptxas: 160 -> 248 B spilled);

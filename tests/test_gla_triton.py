@@ -485,14 +485,15 @@ def test_split_slow_two_launches(monkeypatch, blocks):
 
 
 def test_dqkg_launch_rules():
-    """bf16 dq/dk/dg on 4 warps at every K, split in two launches and in one V pass only at
-    K > 64 (H200, session 15); fp32 operands keep 8 warps on wide tiles, one launch, two passes."""
+    """bf16 dq/dk/dg on 4 warps at every K, split in two launches and in one V pass, and dv
+    reading the forward's scores, only at K > 64 (H200, session 15); fp32 operands keep 8
+    warps on wide tiles, one launch, two passes and rebuild the scores."""
     def cfg(K, V, dtype=torch.bfloat16):
         c = gla_triton._Config(8, 2048, 16, 16, K, V, 8, dtype, torch.device("cpu"))
-        return c.warps_g, c.split_g, c.one_pass_g
-    assert cfg(128, 128) == (4, 1, 1) and cfg(128, 64) == (4, 1, 1) and cfg(80, 80) == (4, 1, 1)
-    assert cfg(64, 64) == (4, 0, 0) and cfg(48, 48) == (4, 0, 0)
-    assert cfg(128, 128, torch.float32) == (8, 0, 0)
+        return c.warps_g, c.split_g, c.one_pass_g, c.keep_p
+    assert cfg(128, 128) == cfg(128, 64) == cfg(80, 80) == (4, 1, 1, 1)
+    assert cfg(64, 64) == (4, 0, 0, 0) and cfg(48, 48) == (4, 0, 0, 0)
+    assert cfg(128, 128, torch.float32) == (8, 0, 0, 0)
 
 
 @needs_kernels
@@ -529,9 +530,9 @@ def test_one_pass_dqkg(monkeypatch):
 
 @needs_kernels
 def test_keep_p_dv_reads_the_forward_scores(monkeypatch):
-    """keep_p=1 (a tuning knob): the output kernel writes s * mask(P) and the dv paths read it
-    (dv over all V tiles, per V tile with grouped queries, several K tiles, dv merged into
-    dq/dk/dg), exact-path chunks included; the buffer starts as NaN, so a chunk the forward
+    """keep_p=1 (the default for bf16 at K > 64): the output kernel writes s * mask(P) and the
+    dv paths read it (dv over all V tiles, per V tile with grouped queries, several K tiles,
+    dv merged into dq/dk/dg), exact-path chunks included; the buffer starts as NaN, so a chunk the forward
     skipped fails. Without gradients (no_grad) nothing is written."""
     monkeypatch.setitem(gla_triton.OVERRIDES, "keep_p", 1)
     names = ("_fwd_output_kernel", "_bwd_dqkg_kernel", "_bwd_dv_kernel")
@@ -882,8 +883,8 @@ def test_gpu_bf16_split_slow(monkeypatch):
 @gpu
 @gpu_only
 def test_gpu_bf16_keep_p(monkeypatch):
-    # keep_p=1 (tuning knob): dv from the forward's scores at D128 (weak and trained gates),
-    # merged into dq/dk/dg at D64, and with grouped queries and the normaliser (1B layer)
+    # keep_p=1 (default for bf16 at K > 64): dv from the forward's scores at D128 (weak and
+    # trained gates), merged into dq/dk/dg at D64, with grouped queries and the normaliser
     monkeypatch.setitem(gla_triton.OVERRIDES, "keep_p", 1)
     _gpu_compare(B=2, T=2048, H=16, Hkv=16, K=128, V=128)
     _gpu_compare(B=2, T=2048, H=16, Hkv=16, K=128, V=128, trained=True)
