@@ -869,23 +869,13 @@ def test_gpu_bf16_wide_sequential_tiles():
 
 @gpu
 @gpu_only
-def test_gpu_bf16_split_slow(monkeypatch):
-    # split_slow=1 (tuning knob; dq/dk/dg alone is split by default at K > 64): weak gates
-    # (nearly every chunk in the first launch) and
-    # trained ones (most chunks in the second) at D128, and GQA with the normaliser at K128
-    # V64 (the 1B student's layer)
-    monkeypatch.setitem(gla_triton.OVERRIDES, "split_slow", 1)
-    _gpu_compare(B=2, T=2048, H=16, Hkv=16, K=128, V=128)
-    _gpu_compare(B=2, T=2048, H=16, Hkv=16, K=128, V=128, trained=True)
-    _gpu_compare(B=1, T=4096, H=16, Hkv=4, K=128, V=64, trained=True, normalizer=True)
-
-
-@gpu
-@gpu_only
-def test_gpu_bf16_keep_p(monkeypatch):
-    # keep_p=1 (default for bf16 at K > 64): dv from the forward's scores at D128 (weak and
-    # trained gates), merged into dq/dk/dg at D64, with grouped queries and the normaliser
-    monkeypatch.setitem(gla_triton.OVERRIDES, "keep_p", 1)
+@pytest.mark.parametrize("knob", ["split_slow", "keep_p"])
+def test_gpu_bf16_knob(monkeypatch, knob):
+    # split_slow=1 (tuning knob; dq/dk/dg alone is split by default at K > 64) and keep_p=1
+    # (dv from the forward's scores; default for bf16 at K > 64, forced here at D64 too):
+    # weak gates (nearly every chunk on the one-matmul path) and trained ones (most chunks
+    # exact) at D128 and D64, and GQA with the normaliser at K128 V64 (the 1B student's layer)
+    monkeypatch.setitem(gla_triton.OVERRIDES, knob, 1)
     _gpu_compare(B=2, T=2048, H=16, Hkv=16, K=128, V=128)
     _gpu_compare(B=2, T=2048, H=16, Hkv=16, K=128, V=128, trained=True)
     _gpu_compare(B=2, T=2048, H=32, Hkv=32, K=64, V=64, trained=True)
