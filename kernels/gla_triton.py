@@ -1352,8 +1352,8 @@ class _Config:
         self.warps_g = 8 if wide_tiles and not self.dot_bf16 else 4
         self.stages_g = None                           # the dq/dk/dg kernel's own (tuning)
         # The forward keeps s * mask(P) for the backward's dv (LOAD_P): 2 bytes a token, query
-        # head and chunk column in bf16 (128 B at chunks of 64, 64 at 32: about an eighth of
-        # q, k, v, g, o at D128); dv then needs no q, score matmul or exact path (ptxas, D128:
+        # head and chunk column in bf16 (128 B at chunks of 64, 64 at 32: a tenth of q, k,
+        # v, g and o together at D128); dv then needs no q, score matmul or exact path (ptxas, D128:
         # 255 registers, 652 B spilled -> 232, none). H200 kernel ms (session 15): 8x2048 H16
         # D128 dv 0.242 -> 0.161, output 0.218 -> 0.226, f+b 1.409 -> 1.337; the 1B layer dv
         # 0.205 -> 0.105, f+b 1.685 -> 1.600. At D64 (dv merged into dq/dk/dg) the output
