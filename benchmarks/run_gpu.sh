@@ -38,6 +38,8 @@
 #   bash benchmarks/run_gpu.sh next20c       # ... ONE_PASS dq/dk/dg, wide sequential tiles at 2x8192/16K D128
 #   bash benchmarks/run_gpu.sh next20d       # ... the kernel file's GPU tests and the table on those defaults
 #   bash benchmarks/run_gpu.sh next20e       # ... keep_p (dv reads the forward's scores) timed and GPU-tested
+#   bash benchmarks/run_gpu.sh next21a       # session 16: every GPU test on the final defaults
+#   bash benchmarks/run_gpu.sh next21b       # ... the table with keep_p, the 1B step
 #   bash benchmarks/run_gpu.sh quality "NAME:OVERRIDES" ...  # GPU recipe runs, in turn
 #       (after the payload steps; call again to resume the unfinished ones)
 #   bash benchmarks/run_gpu.sh quality-par "NAME:OVERRIDES" ...  # the same at once, one GPU each
@@ -447,6 +449,17 @@ next20e)    # session 15, the last 4 device-minutes: keep_p (the forward keeps s
         --shape 1x16384:32/8:128x64+norm $ov 2>&1 | grep -E "^##|ms .*%|Error" || true
   done
   timeout 75 python3 -m pytest -q -rfE -p no:cacheprovider -m gpu tests/test_gla_triton.py -k keep_p 2>&1 | tail -3 || true ;;
+next21a)    # session 16, first call: every GPU test of both files on session 15's final defaults
+            # (keep_p on at K > 64 was tested only by its own GPU test; 17 kernel tests took
+            # ~360 s in session 15)
+  gpu_tests 560 ;;
+next21b)    # ... the table with keep_p (predicted from the kernel sums: 8x2048 D128 ~1.35 ms f+b,
+            # 2.6x the seed; 4x4096 ~1.44, 2.8x; 2x8192 ~1.57, 3.3x), then the 1B step (its
+            # layer 1.685 -> 1.600 ms of kernels: ~-1.4 ms a step)
+  timeout 250 python3 benchmarks/bench_kernels.py --json "$OUT/table.json" 2>&1 | tee "$OUT/table.log" \
+      | grep -E "^(shape|[0-9]+x|  CHECK)" || true
+  timeout 150 python3 benchmarks/bench_distill.py --shapes llama-3.2-1b \
+      --json "$OUT/distill-1b.json" 2>&1 | tail -7 || true ;;
 quality)    # runs of the GPU recipe, one after another (two processes sharing the GPU ran
             # 4-5x slower each: NOTES, session 4); each NAME:OVERRIDES gets runs/NAME and
             # LIMIT seconds; call again with the same specs to resume the unfinished ones.
