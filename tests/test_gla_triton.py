@@ -370,9 +370,9 @@ def test_normalizer_chain_keeps_padded_rows(monkeypatch):
     seen = []
     backward = gla_triton._backward
 
-    def spy(q, k, v, g, scale, hbuf, meta, do, *rest):
+    def spy(q, k, v, g, scale, hbuf, pbuf, meta, do, *rest):
         seen.append(do.stride())
-        return backward(q, k, v, g, scale, hbuf, meta, do, *rest)
+        return backward(q, k, v, g, scale, hbuf, pbuf, meta, do, *rest)
     monkeypatch.setattr(gla_triton, "_backward", spy)
     (q, k, v, g), _, _, _, _ = make_inputs(2, 40, 4, 2, 16, 16)
     v = v.abs()                                    # keep the normaliser away from 0
