@@ -514,9 +514,10 @@ def test_split_g_default_splits_only_dqkg(monkeypatch):
 
 @needs_kernels
 def test_one_pass_dqkg(monkeypatch):
-    """one_pass_g=1 (a tuning knob): with one query head per KV head the dq/dk/dg kernel takes
-    the inter-chunk terms in dP's V loop. dv merged (one K and V tile), several V tiles, the
-    normaliser with packed documents, both paths of the split; grouped queries keep two loops."""
+    """one_pass_g=1 (the default for bf16 at K > 64, forced here for fp32 and D <= 64 too):
+    with one query head per KV head the dq/dk/dg kernel takes the inter-chunk terms in dP's
+    V loop. dv merged (one K and V tile), several V tiles, the normaliser with packed
+    documents, both paths of the split; grouped queries keep two loops."""
     monkeypatch.setitem(gla_triton.OVERRIDES, "one_pass_g", 1)
     launches = record_launches(monkeypatch, "_bwd_dqkg_kernel")
     run_and_compare(B=2, T=100, H=2, Hkv=2, K=32, V=32, gate="patchy")                 # dv merged
@@ -530,10 +531,11 @@ def test_one_pass_dqkg(monkeypatch):
 
 @needs_kernels
 def test_keep_p_dv_reads_the_forward_scores(monkeypatch):
-    """keep_p=1 (the default for bf16 at K > 64): the output kernel writes s * mask(P) and the
-    dv paths read it (dv over all V tiles, per V tile with grouped queries, several K tiles,
-    dv merged into dq/dk/dg), exact-path chunks included; the buffer starts as NaN, so a chunk the forward
-    skipped fails. Without gradients (no_grad) nothing is written."""
+    """keep_p=1 (the default for bf16 at K > 64, forced here for fp32 and D <= 64 too): the
+    output kernel writes s * mask(P) and the dv paths read it (dv over all V tiles, per V tile
+    with grouped queries, several K tiles, dv merged into dq/dk/dg), exact-path chunks
+    included; the buffer starts as NaN, so a chunk the forward skipped fails. Without
+    gradients (no_grad) nothing is written."""
     monkeypatch.setitem(gla_triton.OVERRIDES, "keep_p", 1)
     names = ("_fwd_output_kernel", "_bwd_dqkg_kernel", "_bwd_dv_kernel")
     launches = {name: record_launches(monkeypatch, name) for name in names}
