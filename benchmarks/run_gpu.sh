@@ -40,6 +40,12 @@
 #   bash benchmarks/run_gpu.sh next20e       # ... keep_p (dv reads the forward's scores) timed and GPU-tested
 #   bash benchmarks/run_gpu.sh next21a       # session 16: every GPU test on the final defaults
 #   bash benchmarks/run_gpu.sh next21b       # ... the table with keep_p, the 1B step
+#   bash benchmarks/run_gpu.sh next22a       # D128 variants: late_qk, K tiles of 128, chunks of 128
+#   bash benchmarks/run_gpu.sh next22b       # ... the sequential passes' launch, wide V tiles
+#   bash benchmarks/run_gpu.sh next22c       # ... the new defaults, D64 segments, the table
+#   bash benchmarks/run_gpu.sh next22d       # ... dh pass, dv and dq/dk/dg variants at D128
+#   bash benchmarks/run_gpu.sh next22e       # ... every GPU test on the final defaults
+#   bash benchmarks/run_gpu.sh next22f       # ... the table
 #   bash benchmarks/run_gpu.sh quality "NAME:OVERRIDES" ...  # GPU recipe runs, in turn
 #       (after the payload steps; call again to resume the unfinished ones)
 #   bash benchmarks/run_gpu.sh quality-par "NAME:OVERRIDES" ...  # the same at once, one GPU each
@@ -67,8 +73,10 @@ mkdir -p "$OUT"
 PAY="$HOME/payload"
 
 gpu_tests() {  # every GPU test of the kernels and the layer, within $1 seconds; the script goes on if they fail
-  timeout "$1" python3 -m pytest -q -rfE -p no:cacheprovider -m gpu tests/test_layer_kernels.py tests/test_gla_triton.py \
-      2>&1 | tail -8 || true
+  timeout "$1" python3 -m pytest -v -rfE -p no:cacheprovider -m gpu tests/test_layer_kernels.py tests/test_gla_triton.py \
+      > "$OUT/gpu_tests.log" 2>&1 || true
+  grep -E "PASSED|FAILED|ERROR" "$OUT/gpu_tests.log" | sed 's/.*:://' | tr '\n' ' '; echo
+  tail -8 "$OUT/gpu_tests.log"
 }
 
 quality_run() {  # one GPU recipe run: $1 = NAME:OVERRIDES -> ~/runs/NAME, LIMIT seconds,
@@ -460,6 +468,57 @@ next21b)    # ... the table with keep_p (predicted from the kernel sums: 8x2048 
       | grep -E "^(shape|[0-9]+x|  CHECK)" || true
   timeout 150 python3 benchmarks/bench_distill.py --shapes llama-3.2-1b \
       --json "$OUT/distill-1b.json" 2>&1 | tail -7 || true ;;
+next22a)    # session 16, first call: D128 variants against the defaults (kernel ms per f+b):
+            # late_qk (q, k loaded after dq/dk/dg's V loop; ptxas D128 one-matmul launch 248 ->
+            # 156 B spilled), K tiles of 128 on 8 warps (do v^T once per chunk; 528 B), chunks of
+            # 128 (half the sequential steps and state traffic; dq/dk/dg 820 B)
+  for ov in "" "--set late_qk=1" "--set BK_g=128 --set warps_g=8" \
+            "--set BK_g=128 --set warps_g=8 --set late_qk=1" \
+            "--set BT=128 --set warps_g=8 --set warps_o=8 --set warps_dv=8" \
+            "--set BT=128 --set warps_g=8 --set warps_o=8 --set warps_dv=8 --set warps_seq=8 --set warps_dh=8"; do
+    echo "### profile $ov"
+    timeout 75 python3 benchmarks/profile_kernels.py --no-sdpa --shape 8x2048:16:128 --shape 4x4096:16:128 \
+        --shape 8x2048:32:64 --shape 1x16384:32/8:128x64+norm $ov 2>&1 | grep -E "^##|ms .*%|Error" || true
+  done ;;
+next22b)    # ... next22a: nothing beat the defaults (late_qk +0 at D128, +0.04 ms on the 1B layer;
+            # K tiles of 128 +0.23; chunks of 128 +0.46). Now the sequential passes (latency
+            # chains: 8x2048 D128 6.8 us a step) and wide V tiles in the chunk kernels
+  for ov in "" "--set warps_seq=8 --set warps_dh=4" "--set stages_seq=3" \
+            "--set BV_seq=128 --set warps_seq=8 --set warps_dh=4" \
+            "--set BV_seq=128 --set warps_seq=8 --set warps_dh=4 --set seg_len=0" \
+            "--set BV_o=128" "--set BV_o=128 --set warps_o=8" "--set BV_g=128"; do
+    echo "### profile $ov"
+    timeout 60 python3 benchmarks/profile_kernels.py --no-sdpa --shape 8x2048:16:128 --shape 4x4096:16:128 \
+        --shape 8x2048:32:64 $ov 2>&1 | grep -E "^##|ms .*%|Error" || true
+  done ;;
+next22c)    # ... the new defaults from next22b (state pass on 8 warps with the wide tile; 4x4096
+            # D128 state pass wide and unsegmented, dh pass on tiles of 64; dv in one V tile of
+            # 128 with keep_p). Predicted kernel sums: 8x2048 D128 1.340 -> ~1.315, 4x4096
+            # 1.437 -> ~1.36. Then segments off at 4x4096 D64 (128 walks, segmented now), and
+            # the table
+  timeout 75 python3 benchmarks/profile_kernels.py --no-sdpa --shape 8x2048:16:128 --shape 4x4096:16:128 \
+      --shape 2x8192:16:128 --shape 1x16384:16:128 --shape 4x4096:32:64 2>&1 | grep -E "^##|ms .*%|Error" || true
+  for ov in "--set seg_len=0" "--set seg_len=0 --set warps_dh=4"; do
+    echo "### profile $ov"
+    timeout 40 python3 benchmarks/profile_kernels.py --no-sdpa --shape 4x4096:32:64 --shape 4x4096:32/8:64 \
+        $ov 2>&1 | grep -E "^##|ms .*%|Error" || true
+  done
+  timeout 250 python3 benchmarks/bench_kernels.py --json "$OUT/table.json" 2>&1 | tee "$OUT/table.log" \
+      | grep -E "^(shape|[0-9]+x|  CHECK)" || true ;;
+next22d)    # ... next22c: 4x4096 D128 1.362 ms f+b (2.96x the seed; 3x needs 1.343), 8x2048 D128
+            # 1.322 (2.67x). Variants of the dh pass, dv and dq/dk/dg's K tile at D128
+  for ov in "" "--set warps_dh=8" "--set BV_dh=128 --set warps_dh=8" "--set warps_dv=8" \
+            "--set BK_g=32 --set warps_g=2" "--set BK_g=32"; do
+    echo "### profile $ov"
+    timeout 40 python3 benchmarks/profile_kernels.py --no-sdpa --shape 8x2048:16:128 --shape 4x4096:16:128 \
+        $ov 2>&1 | grep -E "^##|ms .*%|Error" || true
+  done ;;
+next22e)    # session 16, the final defaults (next22c, and next22d's dh pass on 8 warps at 4x4096
+            # D128: kernel sum 1.359 -> 1.341): every GPU test of both files
+  gpu_tests 560 ;;
+next22f)    # ... then the table (predicted f+b: 4x4096 D128 ~1.345, 8x2048 D128 ~1.32)
+  timeout 250 python3 benchmarks/bench_kernels.py --json "$OUT/table.json" 2>&1 | tee "$OUT/table.log" \
+      | grep -E "^(shape|[0-9]+x|  CHECK)" || true ;;
 quality)    # runs of the GPU recipe, one after another (two processes sharing the GPU ran
             # 4-5x slower each: NOTES, session 4); each NAME:OVERRIDES gets runs/NAME and
             # LIMIT seconds; call again with the same specs to resume the unfinished ones.

@@ -1430,20 +1430,39 @@ class _Config:
         # 0.299 -> 0.219 ms, dh pass 0.237 -> 0.204 (on 4; 8 gave 0.217); 1x16384 state 0.320
         # -> 0.208, dh 0.247 -> 0.186. Between the two (4x4096: 256 walks of 64 unsegmented,
         # 128 of 128 segmented) tiles of 64 stay.
+        # Session 16 (H200, kernel ms): the state pass with the wide tile runs on 8 warps in
+        # every regime (8x2048 H16 D128 0.219 -> 0.208; the dh pass stays on 4 there: 0.162,
+        # 0.198 on 8). Between the regimes (4x4096: 256 walks of 64, 128 of 128) both passes
+        # take the wide tile unsegmented, one walk per SM on 8 warps: state pass 0.274 ->
+        # 0.207 (segmented: 0.213 plus 0.07 of fix-up), dh pass 0.210 -> 0.192 (on 4 warps
+        # 0.234), f+b 1.437 -> 1.341.
         if tiles is None and self.dot_bf16 and 64 < V <= 128 and not normalizer and H == Hkv:
             def walks(bv):
                 return (B if N is None else N) * Hkv * _cdiv(K, self.BK_seq) * _cdiv(V, bv)
             if walks(np2(V)) > self.seg_max_walks:
                 self.BV_seq = np2(V)
-            elif walks(self.BV_seq) <= self.seg_max_walks and _cdiv(T, self.BT) > 2 * self.seg_min:
+                self.warps_seq, self.warps_dh = 8, 4
+            elif walks(self.BV_seq) > self.seg_max_walks:
+                self.BV_seq, self.seg_len = np2(V), 0
+                self.warps_seq, self.warps_dh = 8, 8
+            elif _cdiv(T, self.BT) > 2 * self.seg_min:
                 self.BV_seq = np2(V)
                 self.warps_seq, self.warps_dh = 8, 4
+        # The dv kernel in one V tile of up to 128 when it reads the forward's scores (keep_p:
+        # 232 registers and no spill at D128 with two tiles in a loop, 254 and none with one):
+        # H200, H16 D128, dv 0.161 -> 0.147 ms at 8x2048 and 4x4096 (session 16; measured with
+        # one query head per KV head only).
+        self.BV_dv = None
+        if self.keep_p and tiles is None and 64 < V <= 128 and K <= 128 and H == Hkv:
+            self.BV_dv = np2(V)
         self.state_dtype = torch.bfloat16 if dtype == torch.bfloat16 else torch.float32
         for name, value in OVERRIDES.items():
             setattr(self, name, value)
         self.NK_o, self.NV_o = _cdiv(K, self.BK_o), _cdiv(V, self.BV_o)
         self.NK_g, self.NV_g = _cdiv(K, self.BK_g), _cdiv(V, self.BV_g)
         self.NK_seq, self.NV_seq = _cdiv(K, self.BK_seq), _cdiv(V, self.BV_seq)
+        self.BV_dv = self.BV_dv or self.BV_o
+        self.NV_dv = _cdiv(V, self.BV_dv)
         # dv inside the dq/dk/dg kernel when one program sees all of K and V.
         self.merge_dv = bool(OVERRIDES.get("merge_dv", True)) and self.NK_g == 1 and self.NV_g == 1
 
@@ -1633,11 +1652,11 @@ def _backward(q, k, v, g, scale, hbuf, pbuf, meta, do, dht, want_dh0):
             ONE_PASS=int(bool(cfg.one_pass_g) and R == 1), LOAD_P=int(pbuf is not None), **common,
             **_opts(cfg.warps_g, cfg.stages_g or cfg.stages_chunk, cfg.regs_g))
     if not cfg.merge_dv:
-        all_v = cfg.NV_o if cfg.dv_all_v and R == 1 and cfg.NK_o == 1 and cfg.NV_o > 1 else 0
+        all_v = cfg.NV_dv if cfg.dv_all_v and R == 1 and cfg.NK_o == 1 and cfg.NV_dv > 1 else 0
         for path in _paths(cfg.split_slow, cfg.NK_o == 1):
-            _bwd_dv_kernel[(1 if all_v else cfg.NV_o, total, Hkv)](
+            _bwd_dv_kernel[(1 if all_v else cfg.NV_dv, total, Hkv)](
                 q, k, g, do, dhbuf, pbuf, dv, cu, offsets, indices, T, scale,
-                H=H, Hkv=Hkv, K=K, V=V, BT=cfg.BT, BK=cfg.BK_o, BV=cfg.BV_o, NK=cfg.NK_o, R=R,
+                H=H, Hkv=Hkv, K=K, V=V, BT=cfg.BT, BK=cfg.BK_o, BV=cfg.BV_dv, NK=cfg.NK_o, R=R,
                 SLOW_BLOCKS=cfg.slow_blocks, ALL_V=all_v, PATH=path, LOAD_P=int(pbuf is not None),
                 **common,
                 **_opts(cfg.warps_dv, cfg.stages_chunk, cfg.regs_dv))

@@ -429,18 +429,29 @@ def test_sequential_passes_take_all_of_v_when_walks_fill_the_gpu(monkeypatch):
     count, so no segments are needed; otherwise tiles of 64. Here the GPU is made 2 SMs
     wide so a tiny problem takes the wide path in the interpreter, and it must still match
     the recurrence (packed documents and the initial/final states included). Where tiles of
-    64 would segment anyway, 128 with the state pass on 8 warps (session 15)."""
-    def bv(B, H, Hkv, K, V, norm=False, dtype=torch.bfloat16):
+    64 would segment anyway, 128 with the state pass on 8 warps (session 15). In between
+    (walks of 64 fill the GPU, walks of 128 do not) both passes take 128 unsegmented on 8
+    warps (session 16)."""
+    def config(B, H, Hkv, K, V, norm=False, dtype=torch.bfloat16):
         return gla_triton._Config(B, 2048, H, Hkv, K, V, B, dtype, torch.device("cpu"),
-                                  normalizer=norm).BV_seq
-    # H200 (132 SMs): 8x2048 H16 D128 has 256 walks; 4x4096 only 128 and keeps 64 (256
-    # unsegmented walks of 64); 2x8192 segments with either tile and takes 128
-    assert bv(8, 16, 16, 128, 128) == 128 and bv(4, 16, 16, 128, 128) == 64
-    assert bv(2, 16, 16, 128, 128) == 128 and bv(1, 16, 16, 128, 128) == 128
+                                  normalizer=norm)
+
+    def bv(*args, **kwargs):
+        return config(*args, **kwargs).BV_seq
+
+    def walk_plan(*args):
+        c = config(*args)
+        return c.BV_seq, c.warps_seq, c.warps_dh, c.seg_len
+    # H200 (132 SMs): 8x2048 H16 D128 has 256 walks of 128; 4x4096 only 128 (256 of 64);
+    # 2x8192 segments with either tile and takes 128
+    assert walk_plan(8, 16, 16, 128, 128) == (128, 8, 4, None)
+    assert walk_plan(4, 16, 16, 128, 128) == (128, 8, 8, 0)
+    assert walk_plan(2, 16, 16, 128, 128) == (128, 8, 4, None)
+    assert bv(1, 16, 16, 128, 128) == 128
     assert bv(8, 16, 16, 128, 128, norm=True) == 64 and bv(8, 32, 8, 128, 128) == 64
     assert bv(8, 16, 16, 128, 128, dtype=torch.float32) == 64 and bv(8, 32, 32, 64, 64) == 64
-    monkeypatch.setitem(gla_triton.OVERRIDES, "BV_seq", 128)
-    assert bv(4, 16, 16, 128, 128) == 128               # an override still wins
+    monkeypatch.setitem(gla_triton.OVERRIDES, "BV_seq", 64)
+    assert bv(4, 16, 16, 128, 128) == 64                # an override still wins
     monkeypatch.delitem(gla_triton.OVERRIDES, "BV_seq")
 
     monkeypatch.setattr(gla_triton, "_num_sms", lambda device: 2)
@@ -456,6 +467,17 @@ def test_sequential_passes_take_all_of_v_when_walks_fill_the_gpu(monkeypatch):
     run_and_compare(B=2, T=150, H=2, Hkv=2, K=80, V=80, dtype=torch.bfloat16, chunk=16)
     assert [(grid[1], kw["num_warps"], kw["SEGMENTED"]) for grid, kw in launches] == [(1, 8, True)]
     assert [(grid[1], kw["num_warps"]) for grid, kw in dh] == [(1, 4)], dh
+
+    # 12 SMs: 16 walks of 64 fill them, 8 of 128 do not: both passes in one V tile on 8
+    # warps, unsegmented (K = 80 in two tiles; packed documents too)
+    monkeypatch.setattr(gla_triton, "_num_sms", lambda device: 12)
+    launches.clear()
+    dh.clear()
+    run_and_compare(B=2, T=150, H=2, Hkv=2, K=80, V=80, dtype=torch.bfloat16, chunk=16)
+    run_and_compare(B=1, T=150, H=2, Hkv=2, K=80, V=80, dtype=torch.bfloat16, chunk=16,
+                    seqs=[60, 10, 80])
+    assert [(grid[1], kw["num_warps"], kw["SEGMENTED"]) for grid, kw in launches] == [(1, 8, False)] * 2
+    assert [(grid[1], kw["num_warps"], kw["SEGMENTED"]) for grid, kw in dh] == [(1, 8, False)] * 2
 
 
 @needs_kernels
@@ -494,6 +516,11 @@ def test_dqkg_launch_rules():
     assert cfg(128, 128) == cfg(128, 64) == cfg(80, 80) == (4, 1, 1, 1)
     assert cfg(64, 64) == (4, 0, 0, 0) and cfg(48, 48) == (4, 0, 0, 0)
     assert cfg(128, 128, torch.float32) == (8, 0, 0, 0)
+    # dv in one V tile of up to 128 where it reads the forward's scores (session 16)
+    def bv_dv(K, V, H=16, Hkv=16, dtype=torch.bfloat16):
+        return gla_triton._Config(8, 2048, H, Hkv, K, V, 8, dtype, torch.device("cpu")).BV_dv
+    assert bv_dv(128, 128) == 128 and bv_dv(80, 80) == 128 and bv_dv(128, 64) == 64
+    assert bv_dv(128, 128, dtype=torch.float32) == bv_dv(128, 128, H=32) == 64
 
 
 @needs_kernels
@@ -539,7 +566,12 @@ def test_keep_p_dv_reads_the_forward_scores(monkeypatch):
     monkeypatch.setitem(gla_triton.OVERRIDES, "keep_p", 1)
     names = ("_fwd_output_kernel", "_bwd_dqkg_kernel", "_bwd_dv_kernel")
     launches = {name: record_launches(monkeypatch, name) for name in names}
+    run_and_compare(B=1, T=100, H=2, Hkv=2, K=80, V=80, gate="patchy", dtype=torch.bfloat16)  # one V tile
+    assert [grid[0] for grid, _ in launches["_bwd_dv_kernel"]] == [1]
+    monkeypatch.setitem(gla_triton.OVERRIDES, "BV_dv", 64)
     run_and_compare(B=1, T=100, H=2, Hkv=2, K=80, V=80, gate="patchy", dtype=torch.bfloat16)  # all V
+    assert launches["_bwd_dv_kernel"][-1][1]["ALL_V"] == 2
+    monkeypatch.delitem(gla_triton.OVERRIDES, "BV_dv")
     run_and_compare(B=1, T=150, H=4, Hkv=2, K=32, V=80, gate="patchy", seqs=[30, 120],
                     normalizer=True)                                        # one K tile, R = 2
     run_and_compare(B=1, T=100, H=2, Hkv=1, K=48, V=40, gate="mixed", tiles=(16, 16))  # K tiles
@@ -547,8 +579,8 @@ def test_keep_p_dv_reads_the_forward_scores(monkeypatch):
     flags = collections.Counter((name, kw.get("STORE_P", kw.get("LOAD_P")))
                                 for name in names for _, kw in launches[name])
     # dq/dk/dg: the bf16 K = 80 case runs in two launches (split_g)
-    assert flags[("_fwd_output_kernel", 1)] == 4 and flags[("_bwd_dqkg_kernel", 1)] == 5, flags
-    assert flags[("_bwd_dv_kernel", 1)] == 3 and flags[("_bwd_dv_kernel", 0)] == 0, flags
+    assert flags[("_fwd_output_kernel", 1)] == 5 and flags[("_bwd_dqkg_kernel", 1)] == 7, flags
+    assert flags[("_bwd_dv_kernel", 1)] == 4 and flags[("_bwd_dv_kernel", 0)] == 0, flags
     launches["_fwd_output_kernel"].clear()
     (q, k, v, g), _, _, _, _ = make_inputs(1, 40, 2, 2, 16, 16)
     with torch.no_grad():
@@ -863,6 +895,11 @@ def test_gpu_bf16_wide_sequential_tiles():
     cfg = gla_triton._Config(8, 1024, 16, 16, 128, 128, 8, torch.bfloat16, torch.device("cuda"))
     assert cfg.BV_seq == 128 or 8 * 16 * 2 <= cfg.seg_max_walks
     _gpu_compare(B=8, T=1024, H=16, Hkv=16, K=128, V=128)
+    # 4 x 16 x 2 walks of 128 leave SMs idle, 256 of 64 would not: 128 wide, unsegmented,
+    # both passes on 8 warps (session 16)
+    cfg = gla_triton._Config(4, 1024, 16, 16, 128, 128, 4, torch.bfloat16, torch.device("cuda"))
+    assert (cfg.BV_seq, cfg.seg_len, cfg.warps_dh) == (128, 0, 8) or not 128 <= cfg.seg_max_walks < 256
+    _gpu_compare(B=4, T=1024, H=16, Hkv=16, K=128, V=128)
     # 1 x 16 x 2 x 2 walks of 64-wide tiles segment anyway: 128 wide, segmented, 8 warps
     cfg = gla_triton._Config(1, 8192, 16, 16, 128, 128, 1, torch.bfloat16, torch.device("cuda"))
     assert cfg.BV_seq == 128 and cfg.warps_seq == 8 or 64 > cfg.seg_max_walks
