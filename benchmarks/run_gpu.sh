@@ -46,6 +46,7 @@
 #   bash benchmarks/run_gpu.sh next22d       # ... dh pass, dv and dq/dk/dg variants at D128
 #   bash benchmarks/run_gpu.sh next22e       # ... every GPU test on the final defaults
 #   bash benchmarks/run_gpu.sh next22f       # ... the table
+#   bash benchmarks/run_gpu.sh next23a       # next session: the state pass's source-level profile, host time
 #   bash benchmarks/run_gpu.sh quality "NAME:OVERRIDES" ...  # GPU recipe runs, in turn
 #       (after the payload steps; call again to resume the unfinished ones)
 #   bash benchmarks/run_gpu.sh quality-par "NAME:OVERRIDES" ...  # the same at once, one GPU each
@@ -519,6 +520,18 @@ next22e)    # session 16, the final defaults (next22c, and next22d's dh pass on 
 next22f)    # ... then the table (predicted f+b: 4x4096 D128 ~1.345, 8x2048 D128 ~1.32)
   timeout 250 python3 benchmarks/bench_kernels.py --json "$OUT/table.json" 2>&1 | tee "$OUT/table.log" \
       | grep -E "^(shape|[0-9]+x|  CHECK)" || true ;;
+next23a)    # next session, first call (not yet run): why the state pass takes ~3.2 us a chunk per SM
+            # at D128 whichever its occupancy (NOTES, session 16): Nsight Compute's full set with
+            # the source, per-line stall samples of _fwd_state_kernel at 4x4096 H16 D128 (one walk
+            # per SM, 64 chunks; the page/print-source flags are unchecked), then the host share
+  timeout 240 ncu --clock-control none --set full --import-source yes -k regex:_fwd_state_kernel --launch-count 1 \
+      -o "$OUT/state_d128" python3 benchmarks/profile_kernels.py --ncu --shape 4x4096:16:128 \
+      > "$OUT/ncu_state.txt" 2>&1 || true
+  ncu --import "$OUT/state_d128.ncu-rep" --page source --csv --print-source sass > "$OUT/state_sass.csv" 2>&1 || true
+  ncu --import "$OUT/state_d128.ncu-rep" --page details > "$OUT/state_details.txt" 2>&1 || true
+  grep -iE "stall|Warp Cycles|Issue|Eligible" "$OUT/state_details.txt" | head -40
+  timeout 120 python3 benchmarks/profile_host.py --shape 8x2048:32:64 --shape 8x2048:32/8:64 \
+      --shape 1x16384:32/8:64 2>&1 | tail -5 ;;
 quality)    # runs of the GPU recipe, one after another (two processes sharing the GPU ran
             # 4-5x slower each: NOTES, session 4); each NAME:OVERRIDES gets runs/NAME and
             # LIMIT seconds; call again with the same specs to resume the unfinished ones.
