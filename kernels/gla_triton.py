@@ -1281,7 +1281,7 @@ class _Config:
       *_seq  sequential state passes: 64x64 tiles; when (sequences x KV heads x tiles)
              walks would leave SMs idle, each sequence is cut into segments (seg_*);
       *_o    output and dv kernels: the whole K (<= 128) in one tile, so the k-side work is
-             shared by the query heads of a group;
+             shared by the query heads of a group (dv's V tile: BV_dv);
       *_g    dq/dk/dg kernel: K tiles of 32, or 64 for bf16 with K > 64 (it keeps ~10 [C, BK]
              fp32 tensors alive: ptxas spills with wider tiles); with one K and one V tile
              it also computes dv (merge_dv).
@@ -1429,7 +1429,7 @@ class _Config:
         # enough sequences), with the state pass on 8 warps: 2x8192 H16 D128 state pass
         # 0.299 -> 0.219 ms, dh pass 0.237 -> 0.204 (on 4; 8 gave 0.217); 1x16384 state 0.320
         # -> 0.208, dh 0.247 -> 0.186. Between the two (4x4096: 256 walks of 64 unsegmented,
-        # 128 of 128 segmented) tiles of 64 stay.
+        # 128 of 128 segmented) session 15 kept tiles of 64; session 16 changed that:
         # Session 16 (H200, kernel ms): the state pass with the wide tile runs on 8 warps in
         # every regime (8x2048 H16 D128 0.219 -> 0.208; the dh pass stays on 4 there: 0.162,
         # 0.198 on 8). Between the regimes (4x4096: 256 walks of 64, 128 of 128) both passes
