@@ -524,7 +524,7 @@ def ptxas_report(cases=PTXAS_CASES, arch=90, out=sys.stdout, layer_cases=PTXAS_L
         shown = {k: v for k, v in constexprs.items()
                  if k in ("K", "V", "BT", "BK", "BV", "R", "NK", "NV", "WITH_DV", "ALL_V", "IS_VARLEN",
                           "DOT_BF16", "NORM", "SEGMENTED", "D", "PM", "DW_MODE", "PATH", "ONE_PASS",
-                          "STORE_P", "LOAD_P")}
+                          "STORE_P", "LOAD_P", "KEEP_G")}
         row = dict(kernel=fn.__name__, grid=str(grid), regs=regs, spill_bytes=spills,
                    smem=compiled.metadata.shared, loads_x1=loads[1], loads_x2=loads[2],
                    loads_x4=loads[4], **options, **shown)

@@ -46,7 +46,8 @@
 #   bash benchmarks/run_gpu.sh next22d       # ... dh pass, dv and dq/dk/dg variants at D128
 #   bash benchmarks/run_gpu.sh next22e       # ... every GPU test on the final defaults
 #   bash benchmarks/run_gpu.sh next22f       # ... the table
-#   bash benchmarks/run_gpu.sh next23a       # next session: the state pass's source-level profile, host time
+#   bash benchmarks/run_gpu.sh next23a       # next session: keep_g timed, its GPU tests, host time
+#   bash benchmarks/run_gpu.sh next23b       # ... the state pass's source-level profile
 #   bash benchmarks/run_gpu.sh quality "NAME:OVERRIDES" ...  # GPU recipe runs, in turn
 #       (after the payload steps; call again to resume the unfinished ones)
 #   bash benchmarks/run_gpu.sh quality-par "NAME:OVERRIDES" ...  # the same at once, one GPU each
@@ -520,18 +521,30 @@ next22e)    # session 16, the final defaults (next22c, and next22d's dh pass on 
 next22f)    # ... then the table (predicted f+b: 4x4096 D128 ~1.345, 8x2048 D128 ~1.32)
   timeout 250 python3 benchmarks/bench_kernels.py --json "$OUT/table.json" 2>&1 | tee "$OUT/table.log" \
       | grep -E "^(shape|[0-9]+x|  CHECK)" || true ;;
-next23a)    # next session, first call (not yet run): why the state pass takes ~3.2 us a chunk per SM
-            # at D128 whichever its occupancy (NOTES, session 16): Nsight Compute's full set with
-            # the source, per-line stall samples of _fwd_state_kernel at 4x4096 H16 D128 (one walk
-            # per SM, 64 chunks; the page/print-source flags are unchecked), then the host share
+next23a)    # next session, first call (not yet run): keep_g (every chunk's cumulative gates
+            # written once, read by the other kernels instead of a scan over the chunk's rows;
+            # SASS sm_90 D128 with mode 2: state pass 1512 -> 1048 instructions, dh 2464 ->
+            # ~2100, dv 2496 -> 1336, dq/dk/dg 4091 -> 3515) against the defaults, then the
+            # bf16 GPU tests under mode 2, then the host's share of the short shapes
+  for ov in "" "--set keep_g=1" "--set keep_g=2"; do
+    echo "### profile $ov"
+    timeout 75 python3 benchmarks/profile_kernels.py --no-sdpa --shape 8x2048:16:128 --shape 4x4096:16:128 \
+        --shape 8x2048:32:64 --shape 1x16384:32/8:128x64+norm $ov 2>&1 | grep -E "^##|ms .*%|Error" || true
+  done
+  GLASWAP_GLA_OVERRIDES=keep_g=2 timeout 240 python3 -m pytest -q -rfE -p no:cacheprovider -m gpu \
+      tests/test_gla_triton.py -k "test_gpu_bf16 and not odd and not chunk64" 2>&1 | tail -4 || true
+  timeout 100 python3 benchmarks/profile_host.py --shape 8x2048:32:64 --shape 8x2048:32/8:64 \
+      --shape 1x16384:32/8:64 2>&1 | tail -5 ;;
+next23b)    # ... why the state pass takes ~3.2 us a chunk per SM at D128 (NOTES, session 16):
+            # Nsight Compute's full set with the source, per-line stall samples of
+            # _fwd_state_kernel at 4x4096 H16 D128 (one walk per SM; the page/print-source flags
+            # are unchecked)
   timeout 240 ncu --clock-control none --set full --import-source yes -k regex:_fwd_state_kernel --launch-count 1 \
       -o "$OUT/state_d128" python3 benchmarks/profile_kernels.py --ncu --shape 4x4096:16:128 \
       > "$OUT/ncu_state.txt" 2>&1 || true
   ncu --import "$OUT/state_d128.ncu-rep" --page source --csv --print-source sass > "$OUT/state_sass.csv" 2>&1 || true
   ncu --import "$OUT/state_d128.ncu-rep" --page details > "$OUT/state_details.txt" 2>&1 || true
-  grep -iE "stall|Warp Cycles|Issue|Eligible" "$OUT/state_details.txt" | head -40
-  timeout 120 python3 benchmarks/profile_host.py --shape 8x2048:32:64 --shape 8x2048:32/8:64 \
-      --shape 1x16384:32/8:64 2>&1 | tail -5 ;;
+  grep -iE "stall|Warp Cycles|Issue|Eligible" "$OUT/state_details.txt" | head -40 ;;
 quality)    # runs of the GPU recipe, one after another (two processes sharing the GPU ran
             # 4-5x slower each: NOTES, session 4); each NAME:OVERRIDES gets runs/NAME and
             # LIMIT seconds; call again with the same specs to resume the unfinished ones.

@@ -220,6 +220,23 @@ def _cum_gates(b_g):
 
 
 @triton.jit
+def _kept_gates(Gp, t0, n_valid, stride_t, c0, K: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr):
+    """(G, G_last) as _gates gives them, read from the state pass's copy (KEEP_G: fp32, log2
+    units, cumulative within each chunk) instead of rebuilt from g: the in-chunk scan runs
+    across the warps through shared memory, a quarter to two fifths of the instructions of
+    the sequential passes and the dv kernel (SASS, sm_90). Rows past the end get G_last, as
+    a cumulative sum over their zero gates would."""
+    rows = tl.arange(0, BT)
+    cols = c0 + tl.arange(0, BK)
+    G = _load_rows(Gp, t0, n_valid, stride_t, c0, K, BT, BK).to(tl.float32)
+    last = tl.minimum(n_valid, BT) - 1
+    G_last = tl.load(Gp + (t0 + tl.maximum(last, 0)) * stride_t + cols,
+                     mask=(cols < K) & ((cols * 0 + last) >= 0), other=0.0).to(tl.float32)
+    G = tl.where((rows < n_valid)[:, None], G, G_last[None, :])
+    return G, G_last
+
+
+@triton.jit
 def _excl_cumsum(x, BT: tl.constexpr):
     """Exclusive cumulative sum over rows: out_s = sum_{j<s} x_j. The shift is a gather so
     the result never subtracts a large x_s from an inclusive sum."""
@@ -432,13 +449,29 @@ def _store_dec(dec, slot, i_h, x, k0, Hkv: tl.constexpr, K: tl.constexpr, BK: tl
 
 
 @triton.jit
+def _chunk_gates_kernel(g, gbuf, cu_seqlens, chunk_offsets, chunk_indices, T,
+                        Hkv: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
+                        IS_VARLEN: tl.constexpr):
+    """keep_g = 2: every chunk's cumulative gates G (fp32, log2 units) into gbuf, one program
+    per (K tile, chunk, KV head), before the state pass, which then reads them too."""
+    i_k = tl.program_id(0)
+    i_c = tl.program_id(1)
+    i_h = tl.program_id(2)
+    i_n, i_t = _chunk_coords(i_c, chunk_indices, T, BT, IS_VARLEN)
+    bos, eos, c0 = _seq_bounds(i_n, cu_seqlens, chunk_offsets, T, BT, IS_VARLEN)
+    t0 = bos + i_t * BT
+    G, _ = _gates(g + i_h * K, t0, eos - t0, Hkv * K, i_k * BK, K, BT, BK)
+    _store_rows(gbuf + i_h * K, G, t0, eos - t0, Hkv * K, i_k * BK, K, BT, BK)
+
+
+@triton.jit
 def _fwd_state_kernel(k, v, g, h0, ht, hbuf, dec, segend, cu_seqlens, chunk_offsets, seg_indices,
-                      T, seg_len, n_seg,
+                      gbuf, T, seg_len, n_seg,
                       Hkv: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
                       VS: tl.constexpr, VO: tl.constexpr, VU: tl.constexpr, NORM: tl.constexpr,
                       BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, USE_H0: tl.constexpr,
                       STORE_HT: tl.constexpr, IS_VARLEN: tl.constexpr, SEGMENTED: tl.constexpr,
-                      DOT_BF16: tl.constexpr, PREC: tl.constexpr):
+                      DOT_BF16: tl.constexpr, PREC: tl.constexpr, KEEP_G: tl.constexpr = 0):
     """Sequential over the chunks of one sequence (or of one segment of seg_len chunks), for
     one (K tile, V tile, KV head). hbuf[c0 + n + i] = state at the start of chunk i; entry NT
     is the final state.
@@ -450,7 +483,10 @@ def _fwd_state_kernel(k, v, g, h0, ht, hbuf, dec, segend, cu_seqlens, chunk_offs
     sequences would leave most SMs idle.
     Only the last line of the loop depends on the carried state, so the next chunk's k, g, v
     are loaded one iteration ahead (by hand: the loop holds stores, which keeps Triton's
-    pipeliner away) and their latency hides behind this chunk's work."""
+    pipeliner away) and their latency hides behind this chunk's work.
+    KEEP_G = 1: the V-tile-0 programs also write each chunk's G to gbuf (fp32), which the
+    other kernels then read instead of rebuilding it (_kept_gates); KEEP_G = 2: gbuf was
+    written before (_chunk_gates_kernel) and this pass reads it too."""
     i_k = tl.program_id(0)
     i_v = tl.program_id(1)
     i_sg, i_h, i_n, i_s, bos, eos, c0, NT, t_first, t_end = _walk_range(
@@ -477,15 +513,26 @@ def _fwd_state_kernel(k, v, g, h0, ht, hbuf, dec, segend, cu_seqlens, chunk_offs
     # first chunk (all masked when the sequence is empty)
     t1 = bos + t_first * BT
     n_k = _load_rows(kp, t1, eos - t1, Hkv * K, k0, K, BT, BK)
-    n_g = _load_rows(gp, t1, eos - t1, Hkv * K, k0, K, BT, BK)
+    if KEEP_G == 2:
+        Gp = gbuf + i_h * K
+        n_G, n_Gl = _kept_gates(Gp, t1, eos - t1, Hkv * K, k0, K, BT, BK)
+    else:
+        n_g = _load_rows(gp, t1, eos - t1, Hkv * K, k0, K, BT, BK)
     n_v = _load_rows(vp, t1, eos - t1, Hkv * V, v0, V, BT, BV)
     for i_t in range(t_first, t_end):
         b_k = n_k.to(tl.float32)
-        b_g = n_g
+        if KEEP_G == 2:
+            G = n_G
+            G_last = n_Gl
+        else:
+            b_g = n_g
         b_v = n_v
         t1 = bos + (i_t + 1) * BT                         # next chunk (masked past the end)
         n_k = _load_rows(kp, t1, eos - t1, Hkv * K, k0, K, BT, BK)
-        n_g = _load_rows(gp, t1, eos - t1, Hkv * K, k0, K, BT, BK)
+        if KEEP_G == 2:
+            n_G, n_Gl = _kept_gates(Gp, t1, eos - t1, Hkv * K, k0, K, BT, BK)
+        else:
+            n_g = _load_rows(gp, t1, eos - t1, Hkv * K, k0, K, BT, BK)
         n_v = _load_rows(vp, t1, eos - t1, Hkv * V, v0, V, BT, BV)
 
         slot = c0 + i_n + i_t
@@ -494,7 +541,12 @@ def _fwd_state_kernel(k, v, g, h0, ht, hbuf, dec, segend, cu_seqlens, chunk_offs
             if NORM:
                 if i_v == 0:
                     _store_col(hbuf + (slot * Hkv + i_h) * K * VS, b_z, k0, K, V, VS, BK)
-        G, G_last = _cum_gates(b_g)
+        if KEEP_G != 2:
+            G, G_last = _cum_gates(b_g)
+        if KEEP_G == 1:
+            if i_v == 0:
+                t_c = bos + i_t * BT
+                _store_rows(gbuf + i_h * K, G, t_c, eos - t_c, Hkv * K, k0, K, BT, BK)
         if SEGMENTED:
             if (i_v == 0) & (i_t > t_first):
                 _store_dec(dec, slot, i_h, b_d, k0, Hkv, K, BK)
@@ -619,14 +671,14 @@ def _seg_fixup_kernel(buf, dec, cu_seqlens, chunk_offsets, chunk_indices, T, seg
 
 
 @triton.jit
-def _fwd_output_kernel(q, k, v, g, o, hbuf, pbuf, cu_seqlens, chunk_offsets, chunk_indices, T, scale,
+def _fwd_output_kernel(q, k, v, g, o, hbuf, pbuf, gbuf, cu_seqlens, chunk_offsets, chunk_indices, T, scale,
                        H: tl.constexpr, Hkv: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
                        VS: tl.constexpr, VO: tl.constexpr, NORM: tl.constexpr,
                        BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
                        NK: tl.constexpr, NV: tl.constexpr, R: tl.constexpr,
                        IS_VARLEN: tl.constexpr, DOT_BF16: tl.constexpr, PREC: tl.constexpr,
                        SLOW_BLOCKS: tl.constexpr, PATH: tl.constexpr = 0,
-                       STORE_P: tl.constexpr = 0):
+                       STORE_P: tl.constexpr = 0, KEEP_G: tl.constexpr = 0):
     """o for one chunk and every query head of one KV group. When K fits one tile the k-side
     work (loads, 2^G, k 2^-G) is done once for the group; otherwise it is redone per head.
     NORM: column V of o gets the normaliser s * (rowsum(mask(P)) + (q 2^G) z), what a column
@@ -647,7 +699,10 @@ def _fwd_output_kernel(q, k, v, g, o, hbuf, pbuf, cu_seqlens, chunk_offsets, chu
 
     if NK == 1:
         b_k = _load_rows(kp, t0, n_valid, Hkv * K, 0, K, BT, BK).to(tl.float32)
-        G, G_last = _gates(gp, t0, n_valid, Hkv * K, 0, K, BT, BK)
+        if KEEP_G:
+            G, G_last = _kept_gates(gbuf + i_h * K, t0, n_valid, Hkv * K, 0, K, BT, BK)
+        else:
+            G, G_last = _gates(gp, t0, n_valid, Hkv * K, 0, K, BT, BK)
         e_q = tl.exp2(G)
         fast = tl.max(-G_last, axis=0) < _SAFE
         if PATH > 0:                   # split_slow (_paths): launch 1 takes the one-matmul
@@ -715,12 +770,13 @@ def _fwd_output_kernel(q, k, v, g, o, hbuf, pbuf, cu_seqlens, chunk_offsets, chu
 
 @triton.jit
 def _bwd_dh_kernel(q, g, do, dht, dh0, dhbuf, dec, segend, cu_seqlens, chunk_offsets, seg_indices,
-                   T, seg_len, n_seg, scale,
+                   gbuf, T, seg_len, n_seg, scale,
                    H: tl.constexpr, Hkv: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
                    VS: tl.constexpr, VO: tl.constexpr, VU: tl.constexpr, NORM: tl.constexpr,
                    BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, R: tl.constexpr,
                    USE_DHT: tl.constexpr, STORE_DH0: tl.constexpr, IS_VARLEN: tl.constexpr,
-                   SEGMENTED: tl.constexpr, DOT_BF16: tl.constexpr, PREC: tl.constexpr):
+                   SEGMENTED: tl.constexpr, DOT_BF16: tl.constexpr, PREC: tl.constexpr,
+                   KEEP_G: tl.constexpr = 0):
     """Reverse walk: dhbuf[c0 + n + i] = gradient of the state at the start of chunk i,
     dh_i = 2^{G_last} dh_{i+1} + s * sum_heads (q 2^G)^T do; entry NT = dht (or 0).
     SEGMENTED mirrors the forward pass: every segment but the last starts from zero at its
@@ -761,18 +817,24 @@ def _bwd_dh_kernel(q, g, do, dht, dh0, dhbuf, dec, segend, cu_seqlens, chunk_off
     # last chunk, first head of the group (all masked when the segment is empty)
     t_last = bos + (t_end - 1) * BT
     n_last = tl.where(t_end > t_first, eos - t_last, 0)
-    n_g = _load_rows(gp, t_last, n_last, Hkv * K, k0, K, BT, BK)
+    if KEEP_G:                     # the kept G (and G_last), loaded at each step: fp32 tiles
+        Gp = gbuf + i_h * K        # one chunk ahead cost registers (ptxas D128: 176 -> 668 B spilled)
+    else:
+        n_g = _load_rows(gp, t_last, n_last, Hkv * K, k0, K, BT, BK)
     n_q = _load_rows(qp, t_last, n_last, H * K, k0, K, BT, BK)
     n_do = _load_rows(dop, t_last, n_last, H * VO, v0, V, BT, BV)
     for i in range(t_end - t_first):
         i_t = t_end - 1 - i
         t0 = bos + i_t * BT
-        b_g = n_g
         # previous chunk's g (nothing left to load at the segment's first chunk)
         t_prev = t0 - BT
         n_prev = tl.where(i_t > t_first, eos - t_prev, 0)
-        n_g = _load_rows(gp, t_prev, n_prev, Hkv * K, k0, K, BT, BK)
-        G, G_last = _cum_gates(b_g)
+        if KEEP_G:
+            G, G_last = _kept_gates(Gp, t0, eos - t0, Hkv * K, k0, K, BT, BK)
+        else:
+            b_g = n_g
+            n_g = _load_rows(gp, t_prev, n_prev, Hkv * K, k0, K, BT, BK)
+            G, G_last = _cum_gates(b_g)
         e_q = tl.exp2(G)
         acc = tl.zeros([BK, BV], dtype=tl.float32)
         acc_z = tl.zeros([BK], dtype=tl.float32)
@@ -826,14 +888,15 @@ def _bwd_dh_kernel(q, g, do, dht, dh0, dhbuf, dec, segend, cu_seqlens, chunk_off
 
 
 @triton.jit
-def _bwd_dqkg_kernel(q, k, v, g, do, hbuf, dhbuf, pbuf, dq, dk, dg, dv, cu_seqlens, chunk_offsets,
-                     chunk_indices, T, scale,
+def _bwd_dqkg_kernel(q, k, v, g, do, hbuf, dhbuf, pbuf, gbuf, dq, dk, dg, dv, cu_seqlens,
+                     chunk_offsets, chunk_indices, T, scale,
                      H: tl.constexpr, Hkv: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
                      VS: tl.constexpr, VO: tl.constexpr, NORM: tl.constexpr,
                      BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, NV: tl.constexpr,
                      R: tl.constexpr, WITH_DV: tl.constexpr, IS_VARLEN: tl.constexpr,
                      DOT_BF16: tl.constexpr, PREC: tl.constexpr, SLOW_BLOCKS: tl.constexpr,
-                     PATH: tl.constexpr = 0, ONE_PASS: tl.constexpr = 0, LOAD_P: tl.constexpr = 0):
+                     PATH: tl.constexpr = 0, ONE_PASS: tl.constexpr = 0, LOAD_P: tl.constexpr = 0,
+                     KEEP_G: tl.constexpr = 0):
     """dq (every head of the group), dk and dg for one chunk, one K tile, one KV head; also
     dv when WITH_DV (one K tile and one V tile cover everything: the separate dv kernel,
     with its second read of q, k, g, do, is then skipped).
@@ -872,7 +935,10 @@ def _bwd_dqkg_kernel(q, k, v, g, do, hbuf, dhbuf, pbuf, dq, dk, dg, dv, cu_seqle
     # than spilled tiles; ptxas, sm_90, bf16 K=V=64 at 4 warps: 1204 -> 1016 spilled bytes,
     # H200 8x2048 H32 D64 f+b 1.246 -> 1.152 ms).
     b_kr = _load_rows(kp, t0, n_valid, Hkv * K, k0, K, BT, BK)
-    G, G_last = _gates(gp, t0, n_valid, Hkv * K, k0, K, BT, BK)
+    if KEEP_G:
+        G, G_last = _kept_gates(gbuf + i_h * K, t0, n_valid, Hkv * K, k0, K, BT, BK)
+    else:
+        G, G_last = _gates(gp, t0, n_valid, Hkv * K, k0, K, BT, BK)
     fast = tl.max(-G_last, axis=0) < _SAFE
     if PATH > 0:                   # split_slow (_paths): launch 1 takes the one-matmul
         if fast != (PATH == 1):    # chunks, launch 2 the others, each compiled with one path
@@ -975,13 +1041,14 @@ def _bwd_dqkg_kernel(q, k, v, g, do, hbuf, dhbuf, pbuf, dq, dk, dg, dv, cu_seqle
 
 
 @triton.jit
-def _bwd_dv_kernel(q, k, g, do, dhbuf, pbuf, dv, cu_seqlens, chunk_offsets, chunk_indices, T, scale,
+def _bwd_dv_kernel(q, k, g, do, dhbuf, pbuf, gbuf, dv, cu_seqlens, chunk_offsets, chunk_indices, T,
+                   scale,
                    H: tl.constexpr, Hkv: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
                    VS: tl.constexpr, VO: tl.constexpr, NORM: tl.constexpr,
                    BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, NK: tl.constexpr,
                    R: tl.constexpr, IS_VARLEN: tl.constexpr, DOT_BF16: tl.constexpr,
                    PREC: tl.constexpr, SLOW_BLOCKS: tl.constexpr, ALL_V: tl.constexpr = 0,
-                   PATH: tl.constexpr = 0, LOAD_P: tl.constexpr = 0):
+                   PATH: tl.constexpr = 0, LOAD_P: tl.constexpr = 0, KEEP_G: tl.constexpr = 0):
     """dv = (k 2^{G_last - G}) dh_{n+1} + s * sum_heads mask(P)^T do, one chunk, one V tile.
     ALL_V > 0 (one query head per KV head, one K tile): one program per chunk walks ALL_V
     V tiles with P built once, instead of one program per V tile each rebuilding it.
@@ -1002,7 +1069,10 @@ def _bwd_dv_kernel(q, k, g, do, dhbuf, pbuf, dv, cu_seqlens, chunk_offsets, chun
 
     if NK == 1:
         b_k = _load_rows(kp, t0, n_valid, Hkv * K, 0, K, BT, BK).to(tl.float32)
-        G, G_last = _gates(gp, t0, n_valid, Hkv * K, 0, K, BT, BK)
+        if KEEP_G:
+            G, G_last = _kept_gates(gbuf + i_h * K, t0, n_valid, Hkv * K, 0, K, BT, BK)
+        else:
+            G, G_last = _gates(gp, t0, n_valid, Hkv * K, 0, K, BT, BK)
         e_q = tl.exp2(G)
         fast = tl.max(-G_last, axis=0) < _SAFE
         if PATH > 0:                   # split_slow (_paths): launch 1 takes the one-matmul
@@ -1397,6 +1467,15 @@ class _Config:
         # -> 0.618. Not for D64 (0.699 -> 0.788: twice the small programs), nor on 8 warps
         # (D128 0.779 -> 0.887), nor for the output and dv kernels (D128 +7% and +4%).
         self.split_g = 1 if self.dot_bf16 and K > 64 else 0
+        # The state pass writes each chunk's cumulative gates G (fp32, 4 bytes a key element)
+        # and the output, dh, dq/dk/dg and dv kernels read them instead of rebuilding them from
+        # g with a scan over the chunk's rows. That scan runs across the warps through shared
+        # memory: without it the SASS of the state pass has 32% fewer instructions, the dh pass
+        # 23%, dv 43%, dq/dk/dg 10% (sm_90, Triton 3.6, H16 D128). 1: the state pass writes
+        # them (its own SASS grows, 1512 -> 2104 instructions: the store); 2: a small parallel
+        # kernel writes them first and the state pass reads them as well. Tuning knob, off:
+        # not yet timed (session 16 had no device time left).
+        self.keep_g = 0
         # Chunks of 32 when the state is narrow: trained gates then mostly stay on the
         # one-matmul path (a chunk of 32 factorises down to ~0.18 of the state kept a step,
         # one of 64 only to ~0.42). H200 bf16, f+b with mode 2: 8x2048 H32 D64 trained gates
@@ -1542,24 +1621,35 @@ def _forward(q, k, v, g, scale, h0, want_ht, cu_seqlens, tiles, chunk, segment, 
     pbuf = None
     if for_grad and cfg.keep_p:
         pbuf = _new((B, T, H, cfg.BT), torch.bfloat16 if cfg.dot_bf16 else torch.float32, q.device)
+    # keep_g: every chunk's cumulative gates, written by the state pass (1) or by a kernel of
+    # their own before it (2), read by the other kernels (forward and backward)
+    gbuf = _new((B, T, Hkv, K), torch.float32, q.device) if cfg.keep_g else None
+    if cfg.keep_g == 2:
+        bk = min(_next_pow2(K), 64)
+        _chunk_gates_kernel[(_cdiv(K, bk), total, Hkv)](
+            g, gbuf, cu, offsets, indices, T, Hkv=Hkv, K=K, BT=cfg.BT, BK=bk,
+            IS_VARLEN=cu is not None, num_warps=4)
     common = dict(IS_VARLEN=cu is not None, DOT_BF16=cfg.dot_bf16, PREC=cfg.prec,
                   VS=VS, VO=VS, NORM=bool(normalizer))
     dec, segend = _segment_buffers(seg, n_entries, Hkv, K, VS, q.device)
     _fwd_state_kernel[(cfg.NK_seq, cfg.NV_seq, seg.total * Hkv)](
-        k, v, g, h0, ht, hbuf, dec, segend, cu, offsets, seg.indices, T, seg.seg_len, seg.n_seg,
+        k, v, g, h0, ht, hbuf, dec, segend, cu, offsets, seg.indices, gbuf, T, seg.seg_len, seg.n_seg,
         Hkv=Hkv, K=K, V=V, BT=cfg.BT, BK=cfg.BK_seq, BV=cfg.BV_seq,
-        USE_H0=h0 is not None, STORE_HT=want_ht, SEGMENTED=seg.on, VU=VU, **common,
+        USE_H0=h0 is not None, STORE_HT=want_ht, SEGMENTED=seg.on, VU=VU,
+        KEEP_G=int(cfg.keep_g), **common,
         **_opts(cfg.warps_seq, cfg.stages_seq, cfg.regs_seq))
     if seg.on:
         _chain_segments(cfg, seg, hbuf, dec, segend, ht, cu, offsets, indices, T, total, N,
                         Hkv, K, VU, VS, reverse=False)
     for path in _paths(cfg.split_slow, cfg.NK_o == 1):
         _fwd_output_kernel[(total, Hkv)](
-            q, k, v, g, o, hbuf, pbuf, cu, offsets, indices, T, scale,
+            q, k, v, g, o, hbuf, pbuf, gbuf, cu, offsets, indices, T, scale,
             H=H, Hkv=Hkv, K=K, V=V, BT=cfg.BT, BK=cfg.BK_o, BV=cfg.BV_o, NK=cfg.NK_o, NV=cfg.NV_o,
-            R=R, SLOW_BLOCKS=cfg.slow_blocks, PATH=path, STORE_P=int(pbuf is not None), **common,
+            R=R, SLOW_BLOCKS=cfg.slow_blocks, PATH=path, STORE_P=int(pbuf is not None),
+            KEEP_G=int(gbuf is not None), **common,
             **_opts(cfg.warps_o, cfg.stages_chunk, cfg.regs_o))
-    meta = (cfg, cu, offsets, indices, total, N, seg, bool(normalizer))
+    # gbuf rides in meta (before the normaliser flag, which stays last)
+    meta = (cfg, cu, offsets, indices, total, N, seg, gbuf, bool(normalizer))
     return o, ht, hbuf, pbuf, meta
 
 
@@ -1615,7 +1705,8 @@ def _chain_segments(cfg, seg, buf, dec, segend, final, cu, offsets, indices, T, 
 
 
 def _backward(q, k, v, g, scale, hbuf, pbuf, meta, do, dht, want_dh0):
-    cfg, cu, offsets, indices, total, N, seg, normalizer = meta
+    cfg, cu, offsets, indices, total, N, seg, gbuf, normalizer = meta
+    keep_g = int(gbuf is not None)
     B, T, H, K = q.shape
     Hkv, V = k.shape[2], v.shape[3]
     VU = V + int(normalizer)
@@ -1636,29 +1727,31 @@ def _backward(q, k, v, g, scale, hbuf, pbuf, meta, do, dht, want_dh0):
                   VS=VS, VO=VO, NORM=normalizer)
     dec, segend = _segment_buffers(seg, hbuf.shape[0], Hkv, K, VS, q.device)
     _bwd_dh_kernel[(cfg.NK_seq, cfg.NV_seq, seg.total * Hkv)](
-        q, g, do, dht, dh0, dhbuf, dec, segend, cu, offsets, seg.indices, T, seg.seg_len,
+        q, g, do, dht, dh0, dhbuf, dec, segend, cu, offsets, seg.indices, gbuf, T, seg.seg_len,
         seg.n_seg, scale,
         H=H, Hkv=Hkv, K=K, V=V, BT=cfg.BT, BK=cfg.BK_seq, BV=cfg.BV_seq, R=R,
-        USE_DHT=dht is not None, STORE_DH0=want_dh0, SEGMENTED=seg.on, VU=VU, **common,
+        USE_DHT=dht is not None, STORE_DH0=want_dh0, SEGMENTED=seg.on, VU=VU, KEEP_G=keep_g,
+        **common,
         **_opts(cfg.warps_dh or cfg.warps_seq, cfg.stages_seq, cfg.regs_seq))
     if seg.on:
         _chain_segments(cfg, seg, dhbuf, dec, segend, dh0, cu, offsets, indices, T, total, N,
                         Hkv, K, VU, VS, reverse=True)
     for path in _paths(cfg.split_slow or cfg.split_g, True):
         _bwd_dqkg_kernel[(cfg.NK_g, total, Hkv)](
-            q, k, v, g, do, hbuf, dhbuf, pbuf, dq, dk, dg, dv, cu, offsets, indices, T, scale,
+            q, k, v, g, do, hbuf, dhbuf, pbuf, gbuf, dq, dk, dg, dv, cu, offsets, indices, T, scale,
             H=H, Hkv=Hkv, K=K, V=V, BT=cfg.BT, BK=cfg.BK_g, BV=cfg.BV_g, NV=cfg.NV_g, R=R,
             WITH_DV=cfg.merge_dv, SLOW_BLOCKS=cfg.slow_blocks, PATH=path,
-            ONE_PASS=int(bool(cfg.one_pass_g) and R == 1), LOAD_P=int(pbuf is not None), **common,
+            ONE_PASS=int(bool(cfg.one_pass_g) and R == 1), LOAD_P=int(pbuf is not None),
+            KEEP_G=keep_g, **common,
             **_opts(cfg.warps_g, cfg.stages_g or cfg.stages_chunk, cfg.regs_g))
     if not cfg.merge_dv:
         all_v = cfg.NV_dv if cfg.dv_all_v and R == 1 and cfg.NK_o == 1 and cfg.NV_dv > 1 else 0
         for path in _paths(cfg.split_slow, cfg.NK_o == 1):
             _bwd_dv_kernel[(1 if all_v else cfg.NV_dv, total, Hkv)](
-                q, k, g, do, dhbuf, pbuf, dv, cu, offsets, indices, T, scale,
+                q, k, g, do, dhbuf, pbuf, gbuf, dv, cu, offsets, indices, T, scale,
                 H=H, Hkv=Hkv, K=K, V=V, BT=cfg.BT, BK=cfg.BK_o, BV=cfg.BV_dv, NK=cfg.NK_o, R=R,
                 SLOW_BLOCKS=cfg.slow_blocks, ALL_V=all_v, PATH=path, LOAD_P=int(pbuf is not None),
-                **common,
+                KEEP_G=keep_g, **common,
                 **_opts(cfg.warps_dv, cfg.stages_chunk, cfg.regs_dv))
     return dq, dk, dv, dg, dh0
 

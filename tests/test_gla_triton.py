@@ -589,6 +589,37 @@ def test_keep_p_dv_reads_the_forward_scores(monkeypatch):
 
 
 @needs_kernels
+@pytest.mark.parametrize("mode", [1, 2])
+def test_keep_g_kernels_read_the_kept_gates(monkeypatch, mode):
+    """keep_g (a tuning knob, off by default): every chunk's cumulative gates are written once,
+    by the state pass (1) or by a kernel of their own before it (2, the state pass reading
+    them too), and the output, dh, dq/dk/dg and dv kernels read them instead of rebuilding
+    them from g. The buffer starts as NaN, so a chunk left unwritten fails. dv merged into dq/dk/dg; bf16 with both paths of the split and dv in one V tile;
+    grouped queries with the normaliser, packed documents (one of a single token) and
+    segmented sequential passes; several K tiles (the output and dv kernels' tiled path
+    rebuilds G, the others read it per tile)."""
+    monkeypatch.setitem(gla_triton.OVERRIDES, "keep_g", mode)
+    names = ("_fwd_state_kernel", "_fwd_output_kernel", "_bwd_dh_kernel", "_bwd_dqkg_kernel",
+             "_bwd_dv_kernel")
+    launches = {name: record_launches(monkeypatch, name) for name in names}
+    writer = record_launches(monkeypatch, "_chunk_gates_kernel")
+    run_and_compare(B=2, T=100, H=2, Hkv=2, K=32, V=32, gate="patchy")                 # dv merged
+    run_and_compare(B=1, T=100, H=2, Hkv=2, K=80, V=80, gate="patchy", dtype=torch.bfloat16)
+    run_and_compare(B=1, T=150, H=4, Hkv=2, K=32, V=40, gate="mixed", seqs=[30, 1, 119],
+                    normalizer=True, segment=2)
+    run_and_compare(B=1, T=100, H=2, Hkv=1, K=48, V=40, gate="mixed", tiles=(16, 16), segment=3)
+    flags = {name: {kw["KEEP_G"] for _, kw in launches[name]} for name in names}
+    assert flags.pop("_fwd_state_kernel") == {mode}, flags
+    assert all(f == {1} for f in flags.values()), flags
+    assert len(writer) == (4 if mode == 2 else 0), writer
+    monkeypatch.delitem(gla_triton.OVERRIDES, "keep_g")
+    for found in launches.values():
+        found.clear()
+    run_and_compare(B=1, T=40, H=2, Hkv=2, K=16, V=16)
+    assert all(kw["KEEP_G"] == 0 for name in names for _, kw in launches[name])
+
+
+@needs_kernels
 def test_custom_scale():
     run_and_compare(B=1, T=30, H=2, Hkv=1, K=16, V=16, scale=0.3)
 
@@ -826,12 +857,34 @@ def test_register_cap_reaches_the_compiler():
 
 @pytest.mark.slow
 def test_dv_all_v_compiles_for_hopper():
-    """The dv_all_v path (interpreter-tested above) is what bf16 builds for sm_90 at the head
-    dim it is meant for (D128): one program per chunk over both V tiles."""
-    rows = _compile_report([("bf16", 1, 256, 2, 2, 128, 128, None)], [], {})
-    dv = [r for r in rows if r["kernel"] == "_bwd_dv_kernel"]
+    """The dv_all_v path (interpreter-tested above) builds for sm_90 at the head dim it is
+    meant for (D128): one program per chunk over both V tiles of 64. By default bf16 D128
+    reads the forward's scores and takes V = 128 in one tile instead (session 16)."""
+    case = [("bf16", 1, 256, 2, 2, 128, 128, None)]
+    dv = [r for r in _compile_report(case, [], {"BV_dv": 64}) if r["kernel"] == "_bwd_dv_kernel"]
     assert dv and dv[0]["ALL_V"] == 2 and dv[0]["grid"].startswith("(1,"), dv
     assert dv[0]["regs"] is not None, dv
+    dv = [r for r in _compile_report(case, [], {}) if r["kernel"] == "_bwd_dv_kernel"]
+    assert dv and dv[0]["ALL_V"] == 0 and dv[0]["grid"].startswith("(1,"), dv
+    assert dv[0]["LOAD_P"] == 1 and dv[0]["regs"] is not None, dv
+
+
+def test_keep_g_compiles_for_hopper():
+    """keep_g (interpreter-tested above; a tuning knob) builds for sm_90: the gates kernel of
+    mode 2 and every kernel that reads or writes the kept gates, at D128 and, with grouped
+    queries, packed documents and the normaliser, at D64."""
+    cases = [("bf16", 1, 256, 2, 2, 128, 128, None),
+             ("bf16", 1, 512, 4, 2, 64, 64, [100, 300, 112], True)]
+    for mode in (1, 2):
+        rows = _compile_report(cases, [], {"keep_g": mode})
+        flags = collections.defaultdict(set)
+        for r in rows:
+            assert r["regs"] is not None, r
+            flags[r["kernel"]].add(r.get("KEEP_G"))
+        assert flags["_fwd_state_kernel"] == {mode}, flags
+        for name in ("_fwd_output_kernel", "_bwd_dh_kernel", "_bwd_dqkg_kernel", "_bwd_dv_kernel"):
+            assert flags[name] == {1}, (name, flags)
+        assert ("_chunk_gates_kernel" in flags) == (mode == 2), flags
 
 
 # ---------------------------------------------------------------------------------------
