@@ -524,7 +524,7 @@ next22f)    # ... then the table (predicted f+b: 4x4096 D128 ~1.345, 8x2048 D128
 next23a)    # next session, first call (not yet run): keep_g (every chunk's cumulative gates
             # written once, read by the other kernels instead of a scan over the chunk's rows;
             # SASS sm_90 D128 with mode 2: state pass 1512 -> 1048 instructions, dh 2464 ->
-            # ~2100, dv 2496 -> 1336, dq/dk/dg 4091 -> 3515) against the defaults, then the
+            # 1840, dv 2496 -> 1336, dq/dk/dg 4091 -> 3515) against the defaults, then the
             # bf16 GPU tests under mode 2, then the host's share of the short shapes
   for ov in "" "--set keep_g=1" "--set keep_g=2"; do
     echo "### profile $ov"

@@ -1470,11 +1470,11 @@ class _Config:
         # The state pass writes each chunk's cumulative gates G (fp32, 4 bytes a key element)
         # and the output, dh, dq/dk/dg and dv kernels read them instead of rebuilding them from
         # g with a scan over the chunk's rows. That scan runs across the warps through shared
-        # memory: without it the SASS of the state pass has 32% fewer instructions, the dh pass
-        # 23%, dv 43%, dq/dk/dg 10% (sm_90, Triton 3.6, H16 D128). 1: the state pass writes
-        # them (its own SASS grows, 1512 -> 2104 instructions: the store); 2: a small parallel
-        # kernel writes them first and the state pass reads them as well. Tuning knob, off:
-        # not yet timed (session 16 had no device time left).
+        # memory (SASS instructions, sm_90, Triton 3.6, H16 D128, mode 2: state pass 1512 ->
+        # 1048, dh 2464 -> 1840, dv 2496 -> 1336, dq/dk/dg 4091 -> 3515). 1: the state pass
+        # writes them (its own SASS grows to 2104: the store); 2: a small parallel kernel
+        # writes them first and the state pass reads them as well. Tuning knob, off: not yet
+        # timed (session 16 had no device time left).
         self.keep_g = 0
         # Chunks of 32 when the state is narrow: trained gates then mostly stay on the
         # one-matmul path (a chunk of 32 factorises down to ~0.18 of the state kept a step,
