@@ -432,9 +432,10 @@ def ptxas_report(cases=PTXAS_CASES, arch=90, out=sys.stdout, layer_cases=PTXAS_L
                 cu = torch.tensor([0] + [sum(docs[:i + 1]) for i in range(len(docs))],
                                   dtype=torch.int32)
             h0 = torch.zeros(N, Hkv, K, V + norm)
-            o, ht, hbuf, pbuf, meta = gla_triton._forward(q, k, v, k, K ** -0.5, h0, True, cu, None,
-                                                          None, None, norm, for_grad=True)
-            gla_triton._backward(q, k, v, k, K ** -0.5, hbuf, pbuf, meta, o, ht, True)
+            o, ht, hbuf, pbuf, gbuf, meta = gla_triton._forward(q, k, v, k, K ** -0.5, h0, True, cu,
+                                                                None, None, None, norm,
+                                                                for_grad=True)
+            gla_triton._backward(q, k, v, k, K ** -0.5, hbuf, pbuf, gbuf, meta, o, ht, True)
             if docs is None and not norm:
                 gla_triton.fused_recurrent_gla(q[:, :1], k[:, :1], v[:, :1], k[:, :1],
                                                initial_state=h0, output_final_state=True)

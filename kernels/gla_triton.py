@@ -230,6 +230,7 @@ def _kept_gates(Gp, t0, n_valid, stride_t, c0, K: tl.constexpr, BT: tl.constexpr
     cols = c0 + tl.arange(0, BK)
     G = _load_rows(Gp, t0, n_valid, stride_t, c0, K, BT, BK).to(tl.float32)
     last = tl.minimum(n_valid, BT) - 1
+    # (cols * 0 + last): the scalar test as a block, which the interpreter's mask needs
     G_last = tl.load(Gp + (t0 + tl.maximum(last, 0)) * stride_t + cols,
                      mask=(cols < K) & ((cols * 0 + last) >= 0), other=0.0).to(tl.float32)
     G = tl.where((rows < n_valid)[:, None], G, G_last[None, :])
@@ -1467,8 +1468,8 @@ class _Config:
         # -> 0.618. Not for D64 (0.699 -> 0.788: twice the small programs), nor on 8 warps
         # (D128 0.779 -> 0.887), nor for the output and dv kernels (D128 +7% and +4%).
         self.split_g = 1 if self.dot_bf16 and K > 64 else 0
-        # The state pass writes each chunk's cumulative gates G (fp32, 4 bytes a key element)
-        # and the output, dh, dq/dk/dg and dv kernels read them instead of rebuilding them from
+        # Each chunk's cumulative gates G written once (fp32, 4 bytes a key element), and the
+        # output, dh, dq/dk/dg and dv kernels reading them instead of rebuilding them from
         # g with a scan over the chunk's rows. That scan runs across the warps through shared
         # memory (SASS instructions, sm_90, Triton 3.6, H16 D128, mode 2: state pass 1512 ->
         # 1048, dh 2464 -> 1840, dv 2496 -> 1336, dq/dk/dg 4091 -> 3515). 1: the state pass
@@ -1508,7 +1509,7 @@ class _Config:
         # enough sequences), with the state pass on 8 warps: 2x8192 H16 D128 state pass
         # 0.299 -> 0.219 ms, dh pass 0.237 -> 0.204 (on 4; 8 gave 0.217); 1x16384 state 0.320
         # -> 0.208, dh 0.247 -> 0.186. Between the two (4x4096: 256 walks of 64 unsegmented,
-        # 128 of 128 segmented) session 15 kept tiles of 64; session 16 changed that:
+        # 128 of 128 segmented) session 15 kept tiles of 64.
         # Session 16 (H200, kernel ms): the state pass with the wide tile runs on 8 warps in
         # every regime (8x2048 H16 D128 0.219 -> 0.208; the dh pass stays on 4 there: 0.162,
         # 0.198 on 8). Between the regimes (4x4096: 256 walks of 64, 128 of 128) both passes
@@ -1648,9 +1649,8 @@ def _forward(q, k, v, g, scale, h0, want_ht, cu_seqlens, tiles, chunk, segment, 
             R=R, SLOW_BLOCKS=cfg.slow_blocks, PATH=path, STORE_P=int(pbuf is not None),
             KEEP_G=int(gbuf is not None), **common,
             **_opts(cfg.warps_o, cfg.stages_chunk, cfg.regs_o))
-    # gbuf rides in meta (before the normaliser flag, which stays last)
-    meta = (cfg, cu, offsets, indices, total, N, seg, gbuf, bool(normalizer))
-    return o, ht, hbuf, pbuf, meta
+    meta = (cfg, cu, offsets, indices, total, N, seg, bool(normalizer))
+    return o, ht, hbuf, pbuf, gbuf, meta
 
 
 def _row_stride(x):
@@ -1704,8 +1704,8 @@ def _chain_segments(cfg, seg, buf, dec, segend, final, cu, offsets, indices, T, 
         NV=NV, REVERSE=reverse, IS_VARLEN=IS_VARLEN, num_warps=4)
 
 
-def _backward(q, k, v, g, scale, hbuf, pbuf, meta, do, dht, want_dh0):
-    cfg, cu, offsets, indices, total, N, seg, gbuf, normalizer = meta
+def _backward(q, k, v, g, scale, hbuf, pbuf, gbuf, meta, do, dht, want_dh0):
+    cfg, cu, offsets, indices, total, N, seg, normalizer = meta
     keep_g = int(gbuf is not None)
     B, T, H, K = q.shape
     Hkv, V = k.shape[2], v.shape[3]
@@ -1762,9 +1762,10 @@ class _FusedChunkGLA(torch.autograd.Function):
     def forward(ctx, q, k, v, g, scale, initial_state, output_final_state, cu_seqlens, tiles,
                 chunk, segment, normalizer, for_grad):
         q, k, v, g = (x.contiguous() for x in (q, k, v, g))
-        o, ht, hbuf, pbuf, meta = _forward(q, k, v, g, scale, initial_state, output_final_state,
-                                           cu_seqlens, tiles, chunk, segment, normalizer, for_grad)
-        ctx.save_for_backward(q, k, v, g, hbuf, pbuf)
+        o, ht, hbuf, pbuf, gbuf, meta = _forward(q, k, v, g, scale, initial_state,
+                                                 output_final_state, cu_seqlens, tiles, chunk,
+                                                 segment, normalizer, for_grad)
+        ctx.save_for_backward(q, k, v, g, hbuf, pbuf, gbuf)
         ctx.meta = meta
         ctx.scale = scale
         ctx.has_h0 = initial_state is not None
@@ -1775,13 +1776,13 @@ class _FusedChunkGLA(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, do, dht):
-        q, k, v, g, hbuf, pbuf = ctx.saved_tensors
+        q, k, v, g, hbuf, pbuf, gbuf = ctx.saved_tensors
         if do is None:
             do = torch.zeros(q.shape[:3] + (v.shape[3] + int(ctx.meta[-1]),), dtype=q.dtype,
                              device=q.device)
         want_dh0 = ctx.has_h0 and ctx.needs_input_grad[5]
-        dq, dk, dv, dg, dh0 = _backward(q, k, v, g, ctx.scale, hbuf, pbuf, ctx.meta, do, dht,
-                                        want_dh0)
+        dq, dk, dv, dg, dh0 = _backward(q, k, v, g, ctx.scale, hbuf, pbuf, gbuf, ctx.meta, do,
+                                        dht, want_dh0)
         if dh0 is not None and dh0.dtype != ctx.h0_dtype:
             dh0 = dh0.to(ctx.h0_dtype)               # autograd wants the input's dtype
         return dq, dk, dv, dg, None, dh0, None, None, None, None, None, None, None

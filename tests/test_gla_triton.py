@@ -370,9 +370,9 @@ def test_normalizer_chain_keeps_padded_rows(monkeypatch):
     seen = []
     backward = gla_triton._backward
 
-    def spy(q, k, v, g, scale, hbuf, pbuf, meta, do, *rest):
+    def spy(q, k, v, g, scale, hbuf, pbuf, gbuf, meta, do, *rest):
         seen.append(do.stride())
-        return backward(q, k, v, g, scale, hbuf, pbuf, meta, do, *rest)
+        return backward(q, k, v, g, scale, hbuf, pbuf, gbuf, meta, do, *rest)
     monkeypatch.setattr(gla_triton, "_backward", spy)
     (q, k, v, g), _, _, _, _ = make_inputs(2, 40, 4, 2, 16, 16)
     v = v.abs()                                    # keep the normaliser away from 0
@@ -594,10 +594,11 @@ def test_keep_g_kernels_read_the_kept_gates(monkeypatch, mode):
     """keep_g (a tuning knob, off by default): every chunk's cumulative gates are written once,
     by the state pass (1) or by a kernel of their own before it (2, the state pass reading
     them too), and the output, dh, dq/dk/dg and dv kernels read them instead of rebuilding
-    them from g. The buffer starts as NaN, so a chunk left unwritten fails. dv merged into dq/dk/dg; bf16 with both paths of the split and dv in one V tile;
-    grouped queries with the normaliser, packed documents (one of a single token) and
-    segmented sequential passes; several K tiles (the output and dv kernels' tiled path
-    rebuilds G, the others read it per tile)."""
+    them from g. The buffer starts as NaN, so a chunk left unwritten fails. dv merged into
+    dq/dk/dg; bf16 with both paths of the split and dv in one V tile; grouped queries with
+    the normaliser, packed documents (one of a single token) and segmented sequential
+    passes; several K tiles (the output and dv kernels' tiled path rebuilds G, the others
+    read it per tile)."""
     monkeypatch.setitem(gla_triton.OVERRIDES, "keep_g", mode)
     names = ("_fwd_state_kernel", "_fwd_output_kernel", "_bwd_dh_kernel", "_bwd_dqkg_kernel",
              "_bwd_dv_kernel")
