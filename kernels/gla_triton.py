@@ -1542,6 +1542,8 @@ class _Config:
         self.NK_g, self.NV_g = _cdiv(K, self.BK_g), _cdiv(V, self.BV_g)
         self.NK_seq, self.NV_seq = _cdiv(K, self.BK_seq), _cdiv(V, self.BV_seq)
         self.BV_dv = self.BV_dv or self.BV_o
+        if self.keep_g not in (0, 1, 2):     # another value would leave the kept buffer unwritten
+            raise ValueError(f"keep_g must be 0 (off), 1 or 2, got {self.keep_g}")
         self.NV_dv = _cdiv(V, self.BV_dv)
         # dv inside the dq/dk/dg kernel when one program sees all of K and V.
         self.merge_dv = bool(OVERRIDES.get("merge_dv", True)) and self.NK_g == 1 and self.NV_g == 1

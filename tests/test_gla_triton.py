@@ -599,6 +599,9 @@ def test_keep_g_kernels_read_the_kept_gates(monkeypatch, mode):
     the normaliser, packed documents (one of a single token) and segmented sequential
     passes; several K tiles (the output and dv kernels' tiled path rebuilds G, the others
     read it per tile)."""
+    monkeypatch.setitem(gla_triton.OVERRIDES, "keep_g", 3)
+    with pytest.raises(ValueError, match="keep_g must be 0"):
+        gla_triton._Config(1, 64, 2, 2, 32, 32, 1, torch.float32, torch.device("cpu"))
     monkeypatch.setitem(gla_triton.OVERRIDES, "keep_g", mode)
     names = ("_fwd_state_kernel", "_fwd_output_kernel", "_bwd_dh_kernel", "_bwd_dqkg_kernel",
              "_bwd_dv_kernel")
