@@ -76,8 +76,8 @@ def profile(fn, iters: int) -> dict:
     return out
 
 
-def glaswap_fn(s, gla_triton):
-    sets, cu = bench_kernels.make_inputs(s, 2, "cuda")
+def glaswap_fn(s, gla_triton, dtype=torch.bfloat16):
+    sets, cu = bench_kernels.make_inputs(s, 2, "cuda", dtype=dtype)
     grad_sets = [tuple(x.clone().requires_grad_() for x in st[:4]) + (st[4],) for st in sets]
     nxt = bench_kernels._rotating(grad_sets)
 
@@ -118,6 +118,8 @@ def main(argv=None):
     ap.add_argument("--shape", action="append", help="BxT:H[/Hkv]:D (repeatable)")
     ap.add_argument("--set", action="append", metavar="KEY=VALUE", help="_Config override")
     ap.add_argument("--iters", type=int, default=10)
+    ap.add_argument("--dtype", choices=("bf16", "fp16", "fp32"), default="bf16",
+                    help="glaswap's inputs (SDPA stays bf16)")
     ap.add_argument("--no-sdpa", action="store_true")
     ap.add_argument("--ncu", action="store_true",
                     help="no profiler: warm up, then one marked iteration per shape (for ncu)")
@@ -128,7 +130,8 @@ def main(argv=None):
     results = {}
     for text in args.shape or DEFAULT_SHAPES:
         s = parse_shape(text)
-        run = glaswap_fn(s, gla_triton)
+        dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]
+        run = glaswap_fn(s, gla_triton, dtype)
         if args.ncu:
             for _ in range(2):
                 run()

@@ -48,6 +48,8 @@
 #   bash benchmarks/run_gpu.sh next22f       # ... the table
 #   bash benchmarks/run_gpu.sh next23a       # next session: keep_g timed, its GPU tests, host time
 #   bash benchmarks/run_gpu.sh next23b       # ... the state pass's source-level profile
+#   bash benchmarks/run_gpu.sh next24a       # session 17: keep_g=2 the default, every GPU test, fp16
+#   bash benchmarks/run_gpu.sh next24b       # ... the table, the sequential passes' warps
 #   bash benchmarks/run_gpu.sh quality "NAME:OVERRIDES" ...  # GPU recipe runs, in turn
 #       (after the payload steps; call again to resume the unfinished ones)
 #   bash benchmarks/run_gpu.sh quality-par "NAME:OVERRIDES" ...  # the same at once, one GPU each
@@ -521,7 +523,7 @@ next22e)    # session 16, the final defaults (next22c, and next22d's dh pass on 
 next22f)    # ... then the table (predicted f+b: 4x4096 D128 ~1.345, 8x2048 D128 ~1.32)
   timeout 250 python3 benchmarks/bench_kernels.py --json "$OUT/table.json" 2>&1 | tee "$OUT/table.log" \
       | grep -E "^(shape|[0-9]+x|  CHECK)" || true ;;
-next23a)    # next session, first call (not yet run): keep_g (every chunk's cumulative gates
+next23a)    # session 17, first call: keep_g (every chunk's cumulative gates
             # written once, read by the other kernels instead of a scan over the chunk's rows;
             # SASS sm_90 D128 with mode 2: state pass 1512 -> 1048 instructions, dh 2464 ->
             # 1840, dv 2496 -> 1336, dq/dk/dg 4091 -> 3515) against the defaults, then the
@@ -535,6 +537,24 @@ next23a)    # next session, first call (not yet run): keep_g (every chunk's cumu
       tests/test_gla_triton.py -k "test_gpu_bf16 and not odd and not chunk64" 2>&1 | tail -4 || true
   timeout 100 python3 benchmarks/profile_host.py --shape 8x2048:32:64 --shape 8x2048:32/8:64 \
       --shape 1x16384:32/8:64 2>&1 | tail -5 ;;
+next24a)    # session 17: keep_g = 2 the default (next23a, kernel ms: 8x2048 H16 D128 1.313 ->
+            # 1.101, 4x4096 D128 1.341 -> 1.130): every GPU test of both files on it, then
+            # fp16 off against mode 2 (its speed there is assumed, not measured)
+  gpu_tests 400
+  for ov in "--set keep_g=0" ""; do
+    echo "### fp16 profile $ov"
+    timeout 70 python3 benchmarks/profile_kernels.py --no-sdpa --dtype fp16 --shape 8x2048:16:128 \
+        --shape 8x2048:32:64 $ov 2>&1 | grep -E "^##|Error" || true
+  done ;;
+next24b)    # ... the table (predicted f+b: 8x2048 D128 ~1.11, 4x4096 D128 ~1.14, 8x2048 D64
+            # ~1.11), then the sequential passes' warps re-tried with the kept gates
+  timeout 250 python3 benchmarks/bench_kernels.py --json "$OUT/table.json" 2>&1 | tee "$OUT/table.log" \
+      | grep -E "^(shape|[0-9]+x|  CHECK)" || true
+  for ov in "" "--set warps_seq=4" "--set warps_dh=8"; do
+    echo "### profile $ov"
+    timeout 60 python3 benchmarks/profile_kernels.py --no-sdpa --shape 8x2048:16:128 --shape 4x4096:16:128 \
+        $ov 2>&1 | grep -E "^##|_fwd_state|_bwd_dh|Error" || true
+  done ;;
 next23b)    # ... why the state pass takes ~3.2 us a chunk per SM at D128 (NOTES, session 16):
             # Nsight Compute's full set with the source, per-line stall samples of
             # _fwd_state_kernel at 4x4096 H16 D128 (one walk per SM; the page/print-source flags

@@ -589,12 +589,12 @@ def test_keep_p_dv_reads_the_forward_scores(monkeypatch):
 
 
 @needs_kernels
-@pytest.mark.parametrize("mode", [1, 2])
+@pytest.mark.parametrize("mode", [0, 1, 2])
 def test_keep_g_kernels_read_the_kept_gates(monkeypatch, mode):
-    """keep_g (a tuning knob, off by default): every chunk's cumulative gates are written once,
-    by the state pass (1) or by a kernel of their own before it (2, the state pass reading
-    them too), and the output, dh, dq/dk/dg and dv kernels read them instead of rebuilding
-    them from g. The buffer starts as NaN, so a chunk left unwritten fails. dv merged into
+    """keep_g (2 by default): every chunk's cumulative gates are written once, by the state
+    pass (1) or by a kernel of their own before it (2, the state pass reading them too), and
+    the output, dh, dq/dk/dg and dv kernels read them instead of rebuilding them from g; 0
+    rebuilds them everywhere. The buffer starts as NaN, so a chunk left unwritten fails. dv merged into
     dq/dk/dg; bf16 with both paths of the split and dv in one V tile; grouped queries with
     the normaliser, packed documents (one of a single token) and segmented sequential
     passes; several K tiles (the output and dv kernels' tiled path rebuilds G, the others
@@ -614,13 +614,17 @@ def test_keep_g_kernels_read_the_kept_gates(monkeypatch, mode):
     run_and_compare(B=1, T=100, H=2, Hkv=1, K=48, V=40, gate="mixed", tiles=(16, 16), segment=3)
     flags = {name: {kw["KEEP_G"] for _, kw in launches[name]} for name in names}
     assert flags.pop("_fwd_state_kernel") == {mode}, flags
-    assert all(f == {1} for f in flags.values()), flags
+    assert all(f == {int(mode > 0)} for f in flags.values()), flags
     assert len(writer) == (4 if mode == 2 else 0), writer
-    monkeypatch.delitem(gla_triton.OVERRIDES, "keep_g")
+    if mode == 2:
+        return
+    monkeypatch.delitem(gla_triton.OVERRIDES, "keep_g")     # the default: mode 2
     for found in launches.values():
         found.clear()
+    writer.clear()
     run_and_compare(B=1, T=40, H=2, Hkv=2, K=16, V=16)
-    assert all(kw["KEEP_G"] == 0 for name in names for _, kw in launches[name])
+    assert [kw["KEEP_G"] for name in names for _, kw in launches[name]] == [2, 1, 1, 1], launches
+    assert len(writer) == 1, writer
 
 
 @needs_kernels
