@@ -969,13 +969,15 @@ def test_gpu_bf16_wide_sequential_tiles():
 
 @gpu
 @gpu_only
-@pytest.mark.parametrize("knob", ["split_slow", "keep_p"])
-def test_gpu_bf16_knob(monkeypatch, knob):
-    # split_slow=1 (tuning knob; dq/dk/dg alone is split by default at K > 64) and keep_p=1
-    # (dv from the forward's scores; default for bf16 at K > 64, forced here at D64 too):
-    # weak gates (nearly every chunk on the one-matmul path) and trained ones (most chunks
-    # exact) at D128 and D64, and GQA with the normaliser at K128 V64 (the 1B student's layer)
-    monkeypatch.setitem(gla_triton.OVERRIDES, knob, 1)
+@pytest.mark.parametrize("knob, value", [("split_slow", 1), ("keep_p", 1), ("keep_g", 0), ("keep_g", 1)])
+def test_gpu_bf16_knob(monkeypatch, knob, value):
+    # split_slow=1 (tuning knob; dq/dk/dg alone is split by default at K > 64), keep_p=1
+    # (dv from the forward's scores; default for bf16 at K > 64, forced here at D64 too) and
+    # keep_g 0 and 1 (the gates rebuilt by every kernel, or kept by the state pass; the
+    # default is 2): weak gates (nearly every chunk on the one-matmul path) and trained ones
+    # (most chunks exact) at D128 and D64, and GQA with the normaliser at K128 V64 (the 1B
+    # student's layer)
+    monkeypatch.setitem(gla_triton.OVERRIDES, knob, value)
     _gpu_compare(B=2, T=2048, H=16, Hkv=16, K=128, V=128)
     _gpu_compare(B=2, T=2048, H=16, Hkv=16, K=128, V=128, trained=True)
     _gpu_compare(B=2, T=2048, H=32, Hkv=32, K=64, V=64, trained=True)
