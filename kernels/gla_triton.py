@@ -7,7 +7,8 @@ Same contract as `gla_torch.chunk_gla_torch` / `recurrent_gla_torch` (see that f
 The query heads of a group read the same KV state: k, v, g are never repeated per head.
 
 Math per chunk of C tokens with start state h (K x V), G = in-chunk cumulative sum of g
-(kept in log2 units, fp32, recomputed in registers wherever needed and never stored):
+(log2 units, fp32; by default written once per chunk by _chunk_gates_kernel and read by the
+other kernels, see _Config.keep_g; with keep_g = 0 each kernel rebuilds it from g):
     o_i    = s * (q_i e^{G_i}) h + s * sum_{j<=i} P_ij v_j,  P_ij = sum_k q_ik k_jk e^{G_ik - G_jk}
     h_next = e^{G_last} h + sum_j (k_j e^{G_last - G_j})^T v_j
 P is one tensor-core matmul of (q e^G)(k e^-G)^T when the chunk's total decay is below SAFE
@@ -19,7 +20,8 @@ narrow (V <= 64, K <= 128) so that trained gates mostly stay on the one-matmul p
 
 Kernels (grid in brackets; N = sequences, NT = chunks of a sequence, NTtot = all chunks,
 S = segments of all sequences):
-  forward   _fwd_state_kernel   [NK, NV, S*Hkv]   walks the chunks of a segment, writes every
+  forward   _chunk_gates_kernel [NK, NTtot, Hkv]  every chunk's G (keep_g = 2, the default)
+            _fwd_state_kernel   [NK, NV, S*Hkv]   walks the chunks of a segment, writes every
                                                   chunk-start state
             _seg_combine_kernel [NK, NV, N*Hkv]   chains the segments (only when S > N)
             _seg_fixup_kernel   [NTtot, Hkv]      local -> true states inside segments (idem)
@@ -1480,8 +1482,9 @@ class _Config:
         # 0.122 plus 0.053 for the gates kernel, dh 0.162 -> 0.101, dv 0.147 -> 0.120,
         # dq/dk/dg 0.571 -> 0.525, output 0.225 -> 0.181); 4x4096 H16 D128 1.341 -> 1.225 ->
         # 1.130; 8x2048 H32 D64 1.145 -> 1.128 -> 1.104; the 1B layer 1x16384 H32/kv8 K128
-        # V64 +norm 1.602 -> 1.521 -> 1.505. Mode 2 for every dtype: the scan it
-        # removes does not depend on the operands' dtype (fp16/fp32 speed not measured).
+        # V64 +norm 1.602 -> 1.521 -> 1.505. Mode 2 for every dtype: fp16, off -> 2, 8x2048
+        # H16 D128 3.650 -> 3.033, H32 D64 3.717 -> 2.999; fp32 not timed (the scan it removes
+        # does not depend on the operands' dtype).
         self.keep_g = 2
         # Chunks of 32 when the state is narrow: trained gates then mostly stay on the
         # one-matmul path (a chunk of 32 factorises down to ~0.18 of the state kept a step,

@@ -594,8 +594,8 @@ def test_keep_g_kernels_read_the_kept_gates(monkeypatch, mode):
     """keep_g (2 by default): every chunk's cumulative gates are written once, by the state
     pass (1) or by a kernel of their own before it (2, the state pass reading them too), and
     the output, dh, dq/dk/dg and dv kernels read them instead of rebuilding them from g; 0
-    rebuilds them everywhere. The buffer starts as NaN, so a chunk left unwritten fails. dv merged into
-    dq/dk/dg; bf16 with both paths of the split and dv in one V tile; grouped queries with
+    rebuilds them everywhere. The buffer starts as NaN, so a chunk left unwritten fails.
+    dv merged into dq/dk/dg; bf16 with both paths of the split and dv in one V tile; grouped queries with
     the normaliser, packed documents (one of a single token) and segmented sequential
     passes; several K tiles (the output and dv kernels' tiled path rebuilds G, the others
     read it per tile)."""
