@@ -127,10 +127,10 @@ def main(argv=None):
     args = ap.parse_args(argv)
     _, gla_triton = bench_kernels._import_kernels()
     gla_triton.OVERRIDES.update(bench_kernels._parse_sets(args.set))
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]
     results = {}
     for text in args.shape or DEFAULT_SHAPES:
         s = parse_shape(text)
-        dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]
         run = glaswap_fn(s, gla_triton, dtype)
         if args.ncu:
             for _ in range(2):

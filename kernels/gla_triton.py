@@ -223,11 +223,12 @@ def _cum_gates(b_g):
 
 @triton.jit
 def _kept_gates(Gp, t0, n_valid, stride_t, c0, K: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr):
-    """(G, G_last) as _gates gives them, read from the state pass's copy (KEEP_G: fp32, log2
-    units, cumulative within each chunk) instead of rebuilt from g: the in-chunk scan runs
-    across the warps through shared memory, a quarter to two fifths of the instructions of
-    the sequential passes and the dv kernel (SASS, sm_90). Rows past the end get G_last, as
-    a cumulative sum over their zero gates would."""
+    """(G, G_last) as _gates gives them, read from the kept copy (KEEP_G: fp32, log2 units,
+    cumulative within each chunk; written by _chunk_gates_kernel, or by the state pass with
+    keep_g = 1) instead of rebuilt from g: the in-chunk scan runs across the warps through
+    shared memory, a quarter to two fifths of the instructions of the sequential passes and
+    the dv kernel (SASS, sm_90). Rows past the end get G_last, as a cumulative sum over
+    their zero gates would."""
     rows = tl.arange(0, BT)
     cols = c0 + tl.arange(0, BK)
     G = _load_rows(Gp, t0, n_valid, stride_t, c0, K, BT, BK).to(tl.float32)

@@ -616,7 +616,7 @@ def test_keep_g_kernels_read_the_kept_gates(monkeypatch, mode):
     assert flags.pop("_fwd_state_kernel") == {mode}, flags
     assert all(f == {int(mode > 0)} for f in flags.values()), flags
     assert len(writer) == (4 if mode == 2 else 0), writer
-    if mode == 2:
+    if mode != 0:                 # the default is checked once, after the mode furthest from it
         return
     monkeypatch.delitem(gla_triton.OVERRIDES, "keep_g")     # the default: mode 2
     for found in launches.values():
