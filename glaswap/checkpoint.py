@@ -195,6 +195,13 @@ _PKG = Path(__file__).resolve().parent
 # (file to copy, name in the saved folder). Kernels first: the layer imports them.
 CODE_FILES = [
     ("glaswap_kernels/gla_torch.py", "gla_torch.py"),
+    ("glaswap_kernels/triton_helpers.py", "triton_helpers.py"),
+    ("glaswap_kernels/gla_scores.py", "gla_scores.py"),
+    ("glaswap_kernels/gla_chunk_fwd.py", "gla_chunk_fwd.py"),
+    ("glaswap_kernels/gla_chunk_bwd.py", "gla_chunk_bwd.py"),
+    ("glaswap_kernels/gla_state.py", "gla_state.py"),
+    ("glaswap_kernels/gla_recurrent.py", "gla_recurrent.py"),
+    ("glaswap_kernels/gla_launch.py", "gla_launch.py"),
     ("glaswap_kernels/gla_triton.py", "gla_triton.py"),
     ("glaswap_kernels/feature_map_triton.py", "feature_map_triton.py"),
     ("glaswap_kernels/normalizer_triton.py", "normalizer_triton.py"),
@@ -228,7 +235,7 @@ def write_model_code(folder: Path):
     for rel, name in CODE_FILES:
         src = _package_file(rel)
         if not src.is_file():
-            continue  # gla_triton.py may be absent in a source checkout without kernels
+            continue  # the kernel files may be absent in a source checkout without kernels
         text = _IMPORT.sub(lambda m: f"from .{m.group(2)} import", src.read_text())
         (folder / name).write_text(text)
         written.append(name)

@@ -22,26 +22,20 @@ from __future__ import annotations
 import torch
 
 try:
-    # As in gla_triton: the try block keeps transformers' remote-code import checker from
-    # requiring Triton in a saved model's folder (gla_ops falls back to PyTorch without it).
+    # The try block keeps transformers' remote-code import checker from requiring Triton in
+    # a saved model's folder (gla_ops falls back to PyTorch without it).
     import triton
     import triton.language as tl
 except ImportError:
     raise
 
-# Shared with the GLA kernels: ceil-div, powers of two, the SM count, the matmul helper and
-# the output buffers (NaN-filled when gla_triton.POISON is set by the tests).
-from .gla_triton import _cdiv, _mm, _new, _next_pow2, _num_sms
+# The output buffers are NaN-filled when triton_helpers.POISON is set (tests).
+from .triton_helpers import _cdiv, _mm, _new, _next_pow2
 
-# Launch settings; benchmarks/bench_feature_map.py --set KEY=VALUE overrides them for trials.
-# BN: rows per block; warps; stages: software pipelining depth (1 keeps float32 D = 128
-# within shared memory); programs_per_sm: backward programs (each sums a run of blocks
-# into one dW partial).
-# split_dw: 1 (default) stores rope(x) and dy and computes dW with one batched matmul; 0
-# sums dW inside the backward kernel (per-program partials; that kernel spills 1.6 KB of
-# registers). H200, f+b at a 1B model's queries (8x2048 H32 D64): 0.425 ms against 0.671;
-# D128 0.646 against 1.257 (benchmarks/NOTES.md, session 4).
-LAUNCH = dict(BN=64, warps=4, stages=1, programs_per_sm=4, split_dw=1)
+# Launch settings (benchmarks/bench_feature_map.py --set KEY=VALUE tries others): BN rows
+# per block; warps; stages, the software pipelining depth (1 keeps float32 D = 128 within
+# shared memory).
+LAUNCH = dict(BN=64, warps=4, stages=1)
 
 
 @triton.jit
@@ -108,61 +102,50 @@ def _fm_fwd_kernel(x, cos, sin, w, out, N, T, stride_x, stride_cb, stride_ct, st
 
 
 @triton.jit
-def _fm_bwd_kernel(x, cos, sin, w, dout, dx, dw, rbuf, dybuf, N, T, stride_x, stride_cb, stride_ct,
-                   stride_wh, blocks_per_program,
+def _fm_bwd_kernel(x, cos, sin, w, dout, dx, rbuf, dybuf, N, T, stride_x, stride_cb, stride_ct,
+                   stride_wh,
                    D: tl.constexpr, D2: tl.constexpr, BD2: tl.constexpr, BD: tl.constexpr,
-                   BN: tl.constexpr, ROPE: tl.constexpr, PM: tl.constexpr, DW_MODE: tl.constexpr,
+                   BN: tl.constexpr, ROPE: tl.constexpr, PM: tl.constexpr, DW: tl.constexpr,
                    DOT_BF16: tl.constexpr):
-    """Program (i_p, i_h) recomputes and differentiates a run of row blocks of head i_h.
-    DW_MODE 0: no dW. 1: its share of dW_h goes to dw[i_p, i_h] (summed on the host:
-    deterministic, no atomics). 2: it stores rope(x) and dy = d(xW) to rbuf, dybuf, and the
-    host computes dW_h = sum_rows rope(x)^T dy as one batched matmul: no accumulators here.
+    """Program (i_n, i_h) recomputes and differentiates a block of rows of head i_h.
+    DW: it also stores rope(x) and dy = d(xW) to rbuf, dybuf, and the host computes
+    dW_h = sum_rows rope(x)^T dy as one batched matmul (dW accumulated in the kernel instead
+    made it spill and run slower).
     PM: dout has both halves; dy = d(xW) is the first half's softmax backward minus the
     second's (the second half is softmax(-y)), so everything after dy is shared."""
-    i_p, i_h = tl.program_id(0), tl.program_id(1)
+    i_n, i_h = tl.program_id(0), tl.program_id(1)
     c = tl.arange(0, BD2)
     e = tl.arange(0, BD)
-    dw1 = tl.zeros([BD2, BD], dtype=tl.float32)
-    dw2 = tl.zeros([BD2, BD], dtype=tl.float32)
-    for j in range(blocks_per_program):
-        rows = (i_p.to(tl.int64) * blocks_per_program + j) * BN + tl.arange(0, BN)
-        r1, r2, c1, c2, s1, s2 = _rotated(x, cos, sin, rows, c, N, T, stride_x, stride_cb, stride_ct,
-                                          i_h, D, D2, ROPE)
-        y, w1, w2 = _logits(r1, r2, w, i_h, stride_wh, c, e, D, D2, DOT_BF16)
-        m = (rows < N)[:, None] & (e < D)[None, :]
-        pdo = dout + rows[:, None] * (stride_x * (1 + PM)) + i_h * (D * (1 + PM)) + e[None, :]
-        p = _softmax(y, e, D)
-        do = tl.load(pdo, mask=m, other=0.0).to(tl.float32)
-        dy = p * (do - tl.sum(p * do, axis=1)[:, None])      # softmax backward; 0 on padding
-        if PM:
-            p = _softmax(-y, e, D)
-            do = tl.load(pdo + D, mask=m, other=0.0).to(tl.float32)
-            dy -= p * (do - tl.sum(p * do, axis=1)[:, None])
-        mh = (rows < N)[:, None] & (c < D2)[None, :]
-        if DW_MODE == 1:
-            dw1 += _dot(tl.trans(r1), dy, DOT_BF16)
-            dw2 += _dot(tl.trans(r2), dy, DOT_BF16)
-        if DW_MODE == 2:
-            pr = rbuf + rows[:, None] * stride_x + i_h * D + c[None, :]
-            tl.store(pr, r1.to(rbuf.dtype.element_ty), mask=mh)
-            tl.store(pr + D2, r2.to(rbuf.dtype.element_ty), mask=mh)
-            tl.store(dybuf + rows[:, None] * stride_x + i_h * D + e[None, :],
-                     dy.to(dybuf.dtype.element_ty), mask=m)
-        dr1 = _dot(dy, tl.trans(w1), DOT_BF16)
-        dr2 = _dot(dy, tl.trans(w2), DOT_BF16)
-        if ROPE:  # the rotation's transpose
-            dx1 = dr1 * c1 + dr2 * s2
-            dx2 = dr2 * c2 - dr1 * s1
-        else:
-            dx1, dx2 = dr1, dr2
-        pdx = dx + rows[:, None] * stride_x + i_h * D + c[None, :]
-        tl.store(pdx, dx1.to(dx.dtype.element_ty), mask=mh)
-        tl.store(pdx + D2, dx2.to(dx.dtype.element_ty), mask=mh)
-    if DW_MODE == 1:
-        wm = (c < D2)[:, None] & (e < D)[None, :]
-        pw = dw + (i_p * tl.num_programs(1) + i_h).to(tl.int64) * D * D + c[:, None] * D + e[None, :]
-        tl.store(pw, dw1, mask=wm)
-        tl.store(pw + D2 * D, dw2, mask=wm)
+    rows = i_n.to(tl.int64) * BN + tl.arange(0, BN)
+    r1, r2, c1, c2, s1, s2 = _rotated(x, cos, sin, rows, c, N, T, stride_x, stride_cb, stride_ct,
+                                      i_h, D, D2, ROPE)
+    y, w1, w2 = _logits(r1, r2, w, i_h, stride_wh, c, e, D, D2, DOT_BF16)
+    m = (rows < N)[:, None] & (e < D)[None, :]
+    pdo = dout + rows[:, None] * (stride_x * (1 + PM)) + i_h * (D * (1 + PM)) + e[None, :]
+    p = _softmax(y, e, D)
+    do = tl.load(pdo, mask=m, other=0.0).to(tl.float32)
+    dy = p * (do - tl.sum(p * do, axis=1)[:, None])      # softmax backward; 0 on padding
+    if PM:
+        p = _softmax(-y, e, D)
+        do = tl.load(pdo + D, mask=m, other=0.0).to(tl.float32)
+        dy -= p * (do - tl.sum(p * do, axis=1)[:, None])
+    mh = (rows < N)[:, None] & (c < D2)[None, :]
+    if DW:
+        pr = rbuf + rows[:, None] * stride_x + i_h * D + c[None, :]
+        tl.store(pr, r1.to(rbuf.dtype.element_ty), mask=mh)
+        tl.store(pr + D2, r2.to(rbuf.dtype.element_ty), mask=mh)
+        tl.store(dybuf + rows[:, None] * stride_x + i_h * D + e[None, :],
+                 dy.to(dybuf.dtype.element_ty), mask=m)
+    dr1 = _dot(dy, tl.trans(w1), DOT_BF16)
+    dr2 = _dot(dy, tl.trans(w2), DOT_BF16)
+    if ROPE:  # the rotation's transpose
+        dx1 = dr1 * c1 + dr2 * s2
+        dx2 = dr2 * c2 - dr1 * s1
+    else:
+        dx1, dx2 = dr1, dr2
+    pdx = dx + rows[:, None] * stride_x + i_h * D + c[None, :]
+    tl.store(pdx, dx1.to(dx.dtype.element_ty), mask=mh)
+    tl.store(pdx + D2, dx2.to(dx.dtype.element_ty), mask=mh)
 
 
 def _launch_shape(D):
@@ -204,31 +187,16 @@ class _FusedFeatureMap(torch.autograd.Function):
         D2, BD2, BD = _launch_shape(D)
         dout = dout.contiguous()
         BN = LAUNCH["BN"]
-        blocks = _cdiv(N, BN)
-        # Enough programs to fill the GPU, few enough that the dW partials
-        # (one D x D per program) stay small.
-        sms = _num_sms(x.device) if x.is_cuda else 4  # 4 on CPU: interpreter tests get runs
-        mode = 0 if not need_dw else (2 if LAUNCH["split_dw"] else 1)
-        if mode == 1:
-            programs = max(1, min(blocks, _cdiv(LAUNCH["programs_per_sm"] * sms, H)))
-            per_program = _cdiv(blocks, programs)
-            programs = _cdiv(blocks, per_program)
-        else:  # no partials to keep few: one block per program
-            programs, per_program = blocks, 1
         dx = _new(x.shape, x.dtype, x.device)
-        dw = _new((programs, H, D, D), torch.float32, x.device) if mode == 1 else x
-        rbuf, dybuf = (_new(x.shape, x.dtype, x.device) for _ in range(2)) if mode == 2 else (x, x)
-        _fm_bwd_kernel[(programs, H)](
-            x, cos, sin, w, dout, dx, dw, rbuf, dybuf, N, T, H * D, stride_cb, stride_ct, w.stride(0),
-            per_program, D=D, D2=D2, BD2=BD2, BD=BD, BN=BN, ROPE=rope, PM=pm, DW_MODE=mode,
+        rbuf, dybuf = (_new(x.shape, x.dtype, x.device) for _ in range(2)) if need_dw else (x, x)
+        _fm_bwd_kernel[(_cdiv(N, BN), H)](
+            x, cos, sin, w, dout, dx, rbuf, dybuf, N, T, H * D, stride_cb, stride_ct, w.stride(0),
+            D=D, D2=D2, BD2=BD2, BD=BD, BN=BN, ROPE=rope, PM=pm, DW=need_dw,
             DOT_BF16=x.dtype == torch.bfloat16, num_warps=LAUNCH["warps"], num_stages=LAUNCH["stages"])
-        if mode == 1:
-            dw = dw.sum(0)
-        elif mode == 2:  # [H, D, N] @ [H, N, D], float32 accumulation inside the matmul
+        dw = None
+        if need_dw:  # [H, D, N] @ [H, N, D], float32 accumulation inside the matmul
             dw = torch.bmm(rbuf.view(N, H, D).permute(1, 2, 0), dybuf.view(N, H, D).transpose(0, 1))
             dw = dw.float()
-        else:
-            dw = None
         return dx, None, None, dw, None, None
 
 

@@ -21,14 +21,14 @@ from __future__ import annotations
 import torch
 
 try:
-    # As in gla_triton: the try block keeps transformers' remote-code import checker from
-    # requiring Triton in a saved model's folder (gla_ops falls back to PyTorch without it).
+    # The try block keeps transformers' remote-code import checker from requiring Triton in
+    # a saved model's folder (gla_ops falls back to PyTorch without it).
     import triton
     import triton.language as tl
 except ImportError:
     raise
 
-from .gla_triton import _cdiv, _new, _next_pow2  # _new: NaN-filled under gla_triton.POISON
+from .triton_helpers import _cdiv, _new, _next_pow2  # _new: NaN-filled under POISON
 
 _ROWS = 64
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)

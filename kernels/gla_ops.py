@@ -25,12 +25,6 @@ except Exception:  # ImportError, or a Triton too old for the kernels
 
 BACKENDS = ("auto", "triton", "torch")
 
-# fused_chunk_gla(normalizer=True) computes the normaliser inside the kernels instead of
-# running a column of ones through every V tile (at V = 64 that column doubles the tiles).
-# H200, 8x2048 H32 D64 fwd+bwd: 1.70 ms in the kernels against 2.05 ms with the column
-# (benchmarks/NOTES.md, "v4"). GLASWAP_NORMALIZER_IN_KERNEL=0 goes back to the column.
-NORMALIZER_IN_KERNEL = os.environ.get("GLASWAP_NORMALIZER_IN_KERNEL", "1") == "1"
-
 
 def _use_triton(x, backend):
     if backend not in BACKENDS:
@@ -55,13 +49,11 @@ def chunk_gla(q, k, v, g, scale=None, initial_state=None, output_final_state=Fal
     normalizer=True: o gets a last column, sum_j (q_i decay_ij) k_j * scale (what a column of
     ones appended to v gives), and the states are K x (V + 1)."""
     if _use_triton(q, backend):
-        if normalizer and NORMALIZER_IN_KERNEL:
-            return fused_chunk_gla(q, k, v, g, scale=scale, initial_state=initial_state,
-                                   output_final_state=output_final_state, cu_seqlens=cu_seqlens,
-                                   normalizer=True)
-        return fused_chunk_gla(q, k, with_ones(v) if normalizer else v, g, scale=scale,
-                               initial_state=initial_state,
-                               output_final_state=output_final_state, cu_seqlens=cu_seqlens)
+        # The kernels compute the normaliser themselves: a column of ones in v would add a
+        # V tile (doubling them at V = 64).
+        return fused_chunk_gla(q, k, v, g, scale=scale, initial_state=initial_state,
+                               output_final_state=output_final_state, cu_seqlens=cu_seqlens,
+                               normalizer=normalizer)
     return chunk_gla_torch(q, k, with_ones(v) if normalizer else v, g, scale=scale,
                            initial_state=initial_state, output_final_state=output_final_state,
                            cu_seqlens=cu_seqlens)

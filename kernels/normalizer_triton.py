@@ -19,20 +19,21 @@ from __future__ import annotations
 import torch
 
 try:
-    # As in gla_triton: the try block keeps transformers' remote-code import checker from
-    # requiring Triton in a saved model's folder (gla_ops falls back to PyTorch without it).
+    # The try block keeps transformers' remote-code import checker from requiring Triton in
+    # a saved model's folder (gla_ops falls back to PyTorch without it).
     import triton
     import triton.language as tl
 except ImportError:
     raise
 
-from .gla_triton import _cdiv, _new, _next_pow2, _row_stride, _state_stride  # _new: NaN under POISON
+from .gla_launch import _row_stride, _state_stride
+from .triton_helpers import _cdiv, _new, _next_pow2  # _new: NaN under POISON
 
 _ROWS = 64
 
 
 @triton.jit
-def _load_rows(o, rows, cols, n_rows, V: tl.constexpr, RS: tl.constexpr):
+def _load_num_den(o, rows, cols, n_rows, V: tl.constexpr, RS: tl.constexpr):
     """num [rows, BV] and den [rows] (float32) of rows of o: n_rows rows of V + 1 values,
     RS apart."""
     m = (rows < n_rows)[:, None] & (cols < V)[None, :]
@@ -46,7 +47,7 @@ def _normalize_fwd_kernel(o, out, n_rows, eps, V: tl.constexpr, RS: tl.constexpr
                           BR: tl.constexpr):
     rows = tl.program_id(0).to(tl.int64) * BR + tl.arange(0, BR)
     cols = tl.arange(0, BV)
-    num, den, m = _load_rows(o, rows, cols, n_rows, V, RS)
+    num, den, m = _load_num_den(o, rows, cols, n_rows, V, RS)
     y = num / (den + eps)[:, None]
     tl.store(out + rows[:, None] * V + cols[None, :], y.to(out.dtype.element_ty), mask=m)
 
@@ -56,7 +57,7 @@ def _normalize_bwd_kernel(o, dout, do, n_rows, eps, V: tl.constexpr, RS: tl.cons
                           RD: tl.constexpr, BV: tl.constexpr, BR: tl.constexpr):
     rows = tl.program_id(0).to(tl.int64) * BR + tl.arange(0, BR)
     cols = tl.arange(0, BV)
-    num, den, m = _load_rows(o, rows, cols, n_rows, V, RS)
+    num, den, m = _load_num_den(o, rows, cols, n_rows, V, RS)
     dy = tl.load(dout + rows[:, None] * V + cols[None, :], mask=m, other=0.0).to(tl.float32)
     inv = 1.0 / (den + eps)
     dnum = dy * inv[:, None]
