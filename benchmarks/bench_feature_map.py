@@ -39,7 +39,7 @@ def rel(a, b):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                    help="launch setting of feature_map_triton.LAUNCH (BN, warps, stages, programs_per_sm)")
+                    help="launch setting of feature_map_triton.LAUNCH (BN, warps, stages)")
     ap.add_argument("--only", help="run only shapes whose name contains this")
     args = ap.parse_args()
     for item in args.set:

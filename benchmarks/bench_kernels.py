@@ -41,6 +41,11 @@ SEED_FB_MS = {"8x2048 H32 D64": 3.39, "4x4096 H32 D64": 3.93, "2x8192 H32 D64": 
               "2x8192 H16 D128": 5.14, "1x16384 H16 D128": 7.43}
 
 
+# Launch-rule overrides for tuning runs (--set KEY=VALUE): handed to every fused_chunk_gla
+# call through its private `_overrides` keyword (an attribute of gla_launch._Config each).
+OVERRIDES: dict = {}
+
+
 def _import_kernels():
     try:
         from glaswap_kernels import gla_torch, gla_triton
@@ -155,7 +160,7 @@ def check(s, gla_torch, gla_triton, device, tol=2e-2):
     xs = [x.clone().requires_grad_() for x in (q, k, v, g)]
     rs = [x.float().requires_grad_() for x in (q, k, v, g)]
     norm = s.get("norm", False)
-    o, _ = gla_triton.fused_chunk_gla(*xs, cu_seqlens=cu, normalizer=norm)
+    o, _ = gla_triton.fused_chunk_gla(*xs, cu_seqlens=cu, normalizer=norm, _overrides=OVERRIDES)
     q_r, k_r, v_r, g_r = rs
     if norm:                                  # the reference: a real column of ones
         v_r = torch.cat([v_r, torch.ones_like(v_r[..., :1])], dim=-1)
@@ -203,11 +208,13 @@ def time_glaswap(s, gla_triton, device, quick):
     def fwd():
         q, k, v, g, _ = nxt_f()
         with torch.no_grad():
-            gla_triton.fused_chunk_gla(q, k, v, g, cu_seqlens=cu, normalizer=norm)
+            gla_triton.fused_chunk_gla(q, k, v, g, cu_seqlens=cu, normalizer=norm,
+                                       _overrides=OVERRIDES)
 
     def fwd_bwd():
         q, k, v, g, do = nxt_b()
-        o, _ = gla_triton.fused_chunk_gla(q, k, v, g, cu_seqlens=cu, normalizer=norm)
+        o, _ = gla_triton.fused_chunk_gla(q, k, v, g, cu_seqlens=cu, normalizer=norm,
+                                          _overrides=OVERRIDES)
         torch.autograd.grad(o, (q, k, v, g), do)
 
     return bench(fwd, quick), bench(fwd_bwd, quick)
@@ -379,12 +386,14 @@ class _Ctx:
         self.saved_tensors = tensors
 
 
-def ptxas_report(cases=PTXAS_CASES, arch=90, out=sys.stdout, layer_cases=PTXAS_LAYER_CASES):
+def ptxas_report(cases=PTXAS_CASES, arch=90, out=sys.stdout, layer_cases=PTXAS_LAYER_CASES,
+                 overrides=None):
     """Runs the host code of fused_chunk_gla (forward + backward) and fused_recurrent_gla on
     CPU tensors, and of the feature-map, normaliser and gate kernels (`layer_cases`), with
     every kernel launch recorded instead of run, compiles each recorded launch for
     sm_<arch> with Triton and ptxas, and prints registers, spills and shared memory. Needs no
-    GPU and TRITON_INTERPRET unset. Returns the rows (dicts)."""
+    GPU and TRITON_INTERPRET unset. `overrides`: launch-rule overrides (as --set). Returns
+    the rows (dicts)."""
     if os.environ.get("TRITON_INTERPRET") == "1":
         raise RuntimeError("the compile report needs TRITON_INTERPRET unset")
     import re
@@ -396,7 +405,8 @@ def ptxas_report(cases=PTXAS_CASES, arch=90, out=sys.stdout, layer_cases=PTXAS_L
     from triton.runtime.jit import JITFunction
 
     _, gla_triton = _import_kernels()
-    from glaswap_kernels import feature_map_triton, gate_triton, normalizer_triton
+    from glaswap_kernels import (feature_map_triton, gate_triton, gla_launch, gla_recurrent,
+                                 normalizer_triton)
     tdt = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32",
            torch.int32: "i32", torch.int64: "i64"}
     dtypes = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}   # the cases' names
@@ -410,14 +420,14 @@ def ptxas_report(cases=PTXAS_CASES, arch=90, out=sys.stdout, layer_cases=PTXAS_L
             return lambda *args, **kwargs: calls.append((self.fn, grid, args, kwargs))
 
     saved = {}
-    for mod in (gla_triton, feature_map_triton, normalizer_triton, gate_triton):
+    for mod in (gla_triton, gla_recurrent, feature_map_triton, normalizer_triton, gate_triton):
         for name in dir(mod):
             obj = getattr(mod, name)
             if isinstance(obj, JITFunction) and name.endswith("_kernel"):
                 saved[(mod, name)] = obj
                 setattr(mod, name, Recorder(obj))
-    saved_interp = gla_triton._interpreting
-    gla_triton._interpreting = lambda: True          # accept CPU tensors: nothing launches
+    saved_interp = gla_launch._interpreting
+    gla_launch._interpreting = lambda: True          # accept CPU tensors: nothing launches
     try:
         for case in cases:
             dt, B, T, H, Hkv, K, V, docs = case[:8]
@@ -434,7 +444,7 @@ def ptxas_report(cases=PTXAS_CASES, arch=90, out=sys.stdout, layer_cases=PTXAS_L
             h0 = torch.zeros(N, Hkv, K, V + norm)
             o, ht, hbuf, pbuf, gbuf, meta = gla_triton._forward(q, k, v, k, K ** -0.5, h0, True, cu,
                                                                 None, None, None, norm,
-                                                                for_grad=True)
+                                                                for_grad=True, overrides=overrides)
             gla_triton._backward(q, k, v, k, K ** -0.5, hbuf, pbuf, gbuf, meta, o, ht, True)
             if docs is None and not norm:
                 gla_triton.fused_recurrent_gla(q[:, :1], k[:, :1], v[:, :1], k[:, :1],
@@ -447,7 +457,7 @@ def ptxas_report(cases=PTXAS_CASES, arch=90, out=sys.stdout, layer_cases=PTXAS_L
                      torch.zeros(1, T, H, D * (1 + pm), dtype=dtype)),
                     # o as fused_chunk_gla returns it: rows padded to 8 values
                     (normalizer_triton._Normalize,
-                     (torch.zeros(1, T, H, gla_triton._state_stride(D, True), dtype=dtype)[..., :D + 1],
+                     (torch.zeros(1, T, H, gla_launch._state_stride(D, True), dtype=dtype)[..., :D + 1],
                       1e-6), x),
                     (gate_triton._Gate, (x, 16.0, 1 + pm), torch.zeros(1, T, H, D * (1 + pm), dtype=dtype))):
                 ctx = _Ctx()
@@ -456,7 +466,7 @@ def ptxas_report(cases=PTXAS_CASES, arch=90, out=sys.stdout, layer_cases=PTXAS_L
     finally:
         for (mod, name), obj in saved.items():
             setattr(mod, name, obj)
-        gla_triton._interpreting = saved_interp
+        gla_launch._interpreting = saved_interp
 
     bin_dir = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
     ptxas = os.path.join(bin_dir, "ptxas")
@@ -490,8 +500,6 @@ def ptxas_report(cases=PTXAS_CASES, arch=90, out=sys.stdout, layer_cases=PTXAS_L
                 signature[param.name] = "fp32"
         options = {"num_warps": kwargs.get("num_warps", 4),
                    "num_stages": kwargs.get("num_stages", 3)}
-        if kwargs.get("maxnreg") is not None:
-            options["maxnreg"] = kwargs["maxnreg"]
         key = (fn.__name__, str(sorted(signature.items())), str(sorted(constexprs.items())),
                str(options))
         if key in seen:
@@ -524,8 +532,8 @@ def ptxas_report(cases=PTXAS_CASES, arch=90, out=sys.stdout, layer_cases=PTXAS_L
             loads[width] += len(re.findall(rf"\bcp\.async\.c[ag]\.shared\.global[^;]*,\s*{size}\b", ptx))
         shown = {k: v for k, v in constexprs.items()
                  if k in ("K", "V", "BT", "BK", "BV", "R", "NK", "NV", "WITH_DV", "ALL_V", "IS_VARLEN",
-                          "DOT_BF16", "NORM", "SEGMENTED", "D", "PM", "DW_MODE", "PATH", "ONE_PASS",
-                          "STORE_P", "LOAD_P", "KEEP_G")}
+                          "DOT_BF16", "NORM", "SEGMENTED", "D", "PM", "DW", "PATH", "ONE_PASS",
+                          "STORE_P", "LOAD_P")}
         row = dict(kernel=fn.__name__, grid=str(grid), regs=regs, spill_bytes=spills,
                    smem=compiled.metadata.shared, loads_x1=loads[1], loads_x2=loads[2],
                    loads_x4=loads[4], **options, **shown)
@@ -563,7 +571,8 @@ def main(argv=None):
     ap.add_argument("--compare-fla", metavar="DIR[:FN]", action="append",
                     help="folder with an unpacked fla release (repeatable)")
     ap.add_argument("--set", action="append", metavar="KEY=VALUE",
-                    help="override a launch parameter of gla_triton._Config (tuning)")
+                    help="override a launch rule's choice: an attribute of gla_launch._Config "
+                         "(tuning), passed as fused_chunk_gla(..., _overrides=...)")
     ap.add_argument("--no-check", action="store_true", help="skip the correctness checks")
     ap.add_argument("--dry-run", action="store_true",
                     help="test this script on CPU (Triton interpreter, tiny shapes, rough timer)")
@@ -581,9 +590,8 @@ def main(argv=None):
     DRY_RUN = args.dry_run
     FLA_TIMEOUT = args.fla_timeout
     if args.ptxas_report:
-        _, gla_triton = _import_kernels()
-        gla_triton.OVERRIDES.update(_parse_sets(args.set))
-        rows = ptxas_report()
+        OVERRIDES.update(_parse_sets(args.set))
+        rows = ptxas_report(overrides=OVERRIDES)
         if args.json:
             with open(args.json, "w") as f:
                 json.dump(rows, f, indent=1)
@@ -606,11 +614,11 @@ def main(argv=None):
     else:
         device = "cuda"
     gla_torch, gla_triton = _import_kernels()
-    gla_triton.OVERRIDES.update(_parse_sets(args.set))
+    OVERRIDES.update(_parse_sets(args.set))
     import triton
     device_name = torch.cuda.get_device_name() if device == "cuda" else "cpu (dry run)"
     print(f"# {device_name} | torch {torch.__version__} | triton "
-          f"{triton.__version__} | overrides {gla_triton.OVERRIDES or '-'}")
+          f"{triton.__version__} | overrides {OVERRIDES or '-'}")
 
     flas = [r for r in (run_fla(spec, args.quick) for spec in args.compare_fla or []) if r]
     if not args.compare_fla:
@@ -674,7 +682,7 @@ def main(argv=None):
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"device": device_name, "torch": torch.__version__,
-                       "triton": triton.__version__, "overrides": gla_triton.OVERRIDES,
+                       "triton": triton.__version__, "overrides": OVERRIDES,
                        "fla": [f["label"] for f in flas], "rows": rows}, f, indent=1)
     return 0 if all(r.get("check", "pass") == "pass" for r in rows) else 1
 

@@ -83,7 +83,8 @@ def glaswap_fn(s, gla_triton, dtype=torch.bfloat16):
 
     def run():
         q, k, v, g, do = nxt()
-        o, _ = gla_triton.fused_chunk_gla(q, k, v, g, cu_seqlens=cu, normalizer=s["norm"])
+        o, _ = gla_triton.fused_chunk_gla(q, k, v, g, cu_seqlens=cu, normalizer=s["norm"],
+                                          _overrides=bench_kernels.OVERRIDES)
         torch.autograd.grad(o, (q, k, v, g), do)
     return run
 
@@ -126,7 +127,7 @@ def main(argv=None):
     ap.add_argument("--json", metavar="PATH")
     args = ap.parse_args(argv)
     _, gla_triton = bench_kernels._import_kernels()
-    gla_triton.OVERRIDES.update(bench_kernels._parse_sets(args.set))
+    bench_kernels.OVERRIDES.update(bench_kernels._parse_sets(args.set))
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]
     results = {}
     for text in args.shape or DEFAULT_SHAPES:
@@ -142,7 +143,7 @@ def main(argv=None):
             torch.cuda.nvtx.range_pop()
             continue
         res = {"glaswap": profile(run, args.iters)}
-        g_total = show(f"glaswap {text} {gla_triton.OVERRIDES or ''}", res["glaswap"])
+        g_total = show(f"glaswap {text} {bench_kernels.OVERRIDES or ''}", res["glaswap"])
         if not args.no_sdpa and s["K"] == s["V"] and not s["norm"]:
             res["sdpa"] = profile(sdpa_fn(s), args.iters)
             s_total = show(f"sdpa flash {text}", res["sdpa"])
