@@ -11,7 +11,7 @@ import os
 import pytest
 import torch
 
-from glaswap_kernels import feature_map_triton, gate_triton, gla_triton, normalizer_triton
+from glaswap_kernels import feature_map_triton, gate_triton, normalizer_triton, triton_helpers
 from glaswap_kernels.gla_ops import gate_logsigmoid, normalize
 from glaswap_kernels.gla_torch import feature_map_torch
 
@@ -24,7 +24,7 @@ pytestmark = [pytest.mark.skipif(not (CUDA or INTERPRETED), reason="needs CUDA o
 
 @pytest.fixture(autouse=True)
 def _poison(monkeypatch):
-    monkeypatch.setattr(gla_triton, "POISON", True)  # the buffers of all three kernel files
+    monkeypatch.setattr(triton_helpers, "POISON", True)  # the buffers of every kernel file
 
 
 def rel(x, ref):
@@ -81,23 +81,14 @@ def test_fused_feature_map_one_token_and_broadcast_rope():
     check(3, 5, 2, 32, cos_batch=1)  # cos/sin [1, T, D] shared by the batch
 
 
-def test_fused_feature_map_several_blocks_per_program(monkeypatch):
-    # 197 rows, 8 heads, in-kernel dW: each program takes two row blocks and sums partials.
-    monkeypatch.setitem(feature_map_triton.LAUNCH, "split_dw", 0)
-    check(1, 197, 8, 32, seed=1)
-
-
 @pytest.mark.parametrize("rope,weight", [(False, True), (True, False), (False, False)])
 def test_fused_feature_map_without_rope_or_weight(rope, weight):
     check(2, 21, 2, 48, rope=rope, weight=weight)
 
 
-@pytest.mark.parametrize("split_dw", [0, 1])
 @pytest.mark.parametrize("D", [24, 64])
-def test_fused_feature_map_dw_modes(monkeypatch, D, split_dw):
-    """dW both ways: stored rope(x) and dy with one batched matmul (the default), or summed
-    in the kernel as per-program partials."""
-    monkeypatch.setitem(feature_map_triton.LAUNCH, "split_dw", split_dw)
+def test_fused_feature_map_dw(D):
+    """dW from the stored rope(x) and dy (one batched matmul), over several row blocks."""
     check(1, 197, 8, D, seed=2)
     check(2, 5, 3, D, rope=False)
 
@@ -106,12 +97,10 @@ def test_fused_feature_map_bf16():
     check(2, 70, 2, 64, dtype=torch.bfloat16)
 
 
-@pytest.mark.parametrize("split_dw", [0, 1])
 @pytest.mark.parametrize("D", [24, 48, 64])
-def test_fused_feature_map_pm(monkeypatch, D, split_dw):
+def test_fused_feature_map_pm(D):
     """hedgehog_pm's [softmax(y), softmax(-y)] from one kernel, 2D wide: both halves and the dx
-    and dW they share, against the float64 reference; with several blocks per program too."""
-    monkeypatch.setitem(feature_map_triton.LAUNCH, "split_dw", split_dw)
+    and dW they share, against the float64 reference; with several row blocks too."""
     check(2, 37, 3, D, pm=True)
     check(1, 1, 2, D, pm=True, cos_batch=1)        # one token
     check(1, 197, 4, D, pm=True, rope=False, seed=1)
@@ -137,10 +126,8 @@ def test_fused_feature_map_frozen_weight_and_errors():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="needs CUDA")
-@pytest.mark.parametrize("split_dw", [0, 1])
-def test_gpu_fused_feature_map_bf16_real_size(monkeypatch, split_dw):
+def test_gpu_fused_feature_map_bf16_real_size():
     # Llama-3.2-1B queries for 2 x 2048 tokens, and its keys (8 KV heads).
-    monkeypatch.setitem(feature_map_triton.LAUNCH, "split_dw", split_dw)
     check(2, 2048, 32, 64, dtype=torch.bfloat16, cos_batch=1)
     check(2, 2048, 8, 64, dtype=torch.bfloat16)
     check(1, 4096, 16, 128, dtype=torch.bfloat16)
