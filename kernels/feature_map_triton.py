@@ -10,7 +10,7 @@ calls, a cat and a negated W. Done in
 PyTorch the same map is ~10 element-wise passes over a [B, T, H, D] tensor forward and
 ~20 backward (casts to float32 and back, the rotation's slices, the einsum's layout copies,
 softmax), which cost a 1B student step more time than the GLA kernels themselves
-(benchmarks/NOTES.md, "Where a student step goes").
+(benchmarks/README.md).
 
 Shapes: x [B, T, H, D] (D even, as RoPE needs); cos, sin [B or 1, T, D]; W [H, D, D] float32,
 rows the input dimension. The output has x's dtype. Arithmetic is float32; the two matmuls
