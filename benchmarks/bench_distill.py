@@ -62,7 +62,7 @@ def build(shape: str, peft_casts: bool = False, options: dict | None = None,
             p.data = p.data.float()
             p.requires_grad_(True)
     if not peft_casts:  # every step runs under autocast, as in glaswap distill
-        from glaswap.distill.train import lora_inputs_in_compute_dtype
+        from glaswap.distill.student import lora_inputs_in_compute_dtype
         lora_inputs_in_compute_dtype(teacher)
         lora_inputs_in_compute_dtype(student)
     return teacher, student, peft_student
@@ -77,12 +77,12 @@ def ce_step(model, ids, opt):
     opt.zero_grad(set_to_none=True)
 
 
-def distill_step(student, peft_student, ids, opt):
-    from glaswap.distill.train import _kd_step
+def distill_step(student, ids, opt):
+    from glaswap.distill.losses import kd_step
     from glaswap.distill.recipe import Stage2
 
     with torch.autocast("cuda", dtype=torch.bfloat16):
-        loss = _kd_step(student, peft_student, {"input_ids": ids, "cu_seqlens": None}, Stage2())
+        loss = kd_step(student, {"input_ids": ids, "cu_seqlens": None}, Stage2())
     loss.backward()
     opt.step()
     opt.zero_grad(set_to_none=True)
@@ -100,9 +100,8 @@ def time_once(fn):
 def measure(steps: dict, reps: int, interleave: bool = True) -> dict:
     """name -> (median ms, peak GiB) for each step function. Every step is warmed up (3 runs)
     with its peak memory recorded; then, by default, timed in rounds of one run of each,
-    so that drift (clocks, allocator state) hits all of them alike: in session 3 the same
-    step measured 5-15% apart in separate runs of one call. A step that runs out of
-    memory gets NaN."""
+    so that drift (clocks, allocator state) hits all of them alike: timed in separate runs,
+    one step can come out 5-15% apart from itself. A step that runs out of memory gets NaN."""
     peaks = {}
     for name, fn in steps.items():
         torch.cuda.reset_peak_memory_stats()
@@ -143,11 +142,11 @@ def main():
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--json")
     ap.add_argument("--sequential", action="store_true",
-                    help="time each step's runs back to back (before session 3) instead of in rounds")
+                    help="time each step's runs back to back instead of in interleaved rounds")
     ap.add_argument("--option", action="append", metavar="KEY=VALUE", default=[],
                     help="a GLA option of the student, e.g. feature_map=hedgehog_pm")
     ap.add_argument("--peft-casts", action="store_true",
-                    help="keep peft's float32 casts of LoRA inputs (how steps ran before session 4)")
+                    help="keep peft's float32 casts of LoRA inputs (glaswap distill skips them under autocast)")
     ap.add_argument("--set", action="append", metavar="KEY=VALUE",
                     help="kernel launch override: a gla_triton._Config attribute (as in bench_kernels.py) "
                          "or a feature_map_triton.LAUNCH key (e.g. split_dw=1)")
@@ -164,7 +163,7 @@ def main():
             ids = torch.randint(0, SHAPES[shape]["vocab_size"], (B, T), device="cuda")
             steps = {"teacher": lambda: ce_step(teacher, ids, opt_t),
                      "student": lambda: ce_step(peft_student, ids, opt_s),
-                     "distill": lambda: distill_step(student, peft_student, ids, opt_s)}
+                     "distill": lambda: distill_step(student, ids, opt_s)}
             for name, (ms, peak) in measure(steps, args.reps, not args.sequential).items():
                 rows.append(dict(shape=shape, B=B, T=T, step=name, ms=ms, tok_s=B * T / ms * 1e3, peak_gib=peak))
                 print(json.dumps(rows[-1]), flush=True)

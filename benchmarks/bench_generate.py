@@ -9,7 +9,9 @@ hidden 576, 9 heads / 3 KV heads, head dim 64, vocab 49152, tied embeddings) get
 weights, is saved to a temporary folder and converted; that Llama is the teacher. For each
 context: prefill that many random tokens, then time single-token greedy decode steps (GLA:
 CUDA-graph replay on CUDA, and eager; teacher: Hugging Face with its KV cache). Peak memory
-is torch.cuda.max_memory_allocated over the decode steps.
+is torch.cuda.max_memory_allocated over the decode steps. The benchmark itself is
+`glaswap.generate.bench_random` (random weights) and `bench_model` (a folder); this script
+only reads the arguments and prints what the machine runs.
 
 Runs from the repo root without glaswap installed: the repo root is put on sys.path and,
 when `glaswap_kernels` is not importable (no install, no symlink), kernels/ is loaded under
@@ -21,8 +23,6 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import sys
-import tempfile
-import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -48,40 +48,11 @@ _ensure_kernels_package()
 
 import torch  # noqa: E402
 
-SHAPES = {
-    # SmolLM2-135M (HuggingFaceTB/SmolLM2-135M config.json)
-    "smollm2": dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
-                    num_attention_heads=9, num_key_value_heads=3, head_dim=64, tie_word_embeddings=True,
-                    rms_norm_eps=1e-5, rope_parameters={"rope_type": "default", "rope_theta": 100000.0},
-                    max_position_embeddings=65536, bos_token_id=1, eos_token_id=2),
-    # a few-millisecond model to check the script itself on a CPU
-    "tiny": dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                 num_attention_heads=4, num_key_value_heads=2, head_dim=16, tie_word_embeddings=True,
-                 rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
-                 max_position_embeddings=65536, bos_token_id=1, eos_token_id=2),
-}
-
-
-def random_models(shape, dtype, device, workdir: Path, seed=0):
-    """(GLA student, teacher): a random Llama of `shape`, converted by glaswap.convert."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    from glaswap.convert import convert
-    from glaswap.evaluate import load_student
-
-    torch.manual_seed(seed)
-    teacher = LlamaForCausalLM(LlamaConfig(**SHAPES[shape])).to(torch.bfloat16)
-    teacher.save_pretrained(str(workdir / "teacher"))
-    convert(str(workdir / "teacher"), workdir / "gla", report=False, dtype="bfloat16", log=lambda *_: None)
-    student = load_student(workdir / "gla", device, dtype)
-    return student, teacher.to(device=device, dtype=dtype).eval()
-
 
 def main(argv=None):
     from glaswap.errors import GlaswapError
-    from glaswap.evaluate import DTYPES, pick_device
-    from glaswap.generate import CPU_CONTEXTS, DEFAULT_CONTEXTS, bench_decode, bench_model, parse_contexts, \
-        write_bench
+    from glaswap.generate import RANDOM_SHAPES, bench_model, bench_random, parse_contexts
+    from glaswap.runtime import DTYPES, pick_device
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("model", nargs="?", help="a glaswap model folder (default: random SmolLM2-135M shape)")
@@ -90,7 +61,7 @@ def main(argv=None):
     ap.add_argument("--new-tokens", type=int, default=64, help="timed decode steps per context")
     ap.add_argument("--dtype", choices=sorted(DTYPES), default=None, help="default: bfloat16 on CUDA, else float32")
     ap.add_argument("--graph", choices=["auto", "on", "off"], default="auto", help="CUDA-graph decode (auto: on CUDA)")
-    ap.add_argument("--shape", choices=sorted(SHAPES), default="smollm2", help="model shape without MODEL")
+    ap.add_argument("--shape", choices=sorted(RANDOM_SHAPES), default="smollm2", help="model shape without MODEL")
     ap.add_argument("--no-teacher", action="store_true", help="time the GLA model only")
     ap.add_argument("--device", default="auto")
     ap.add_argument("--out", default=None, help="also write decode_bench.json and .png here")
@@ -99,25 +70,15 @@ def main(argv=None):
     try:
         device = pick_device(args.device)
         dtype_name = args.dtype or ("bfloat16" if device.type == "cuda" else "float32")
-        contexts = parse_contexts(args.contexts) if args.contexts else (
-            DEFAULT_CONTEXTS if device.type == "cuda" else CPU_CONTEXTS)
+        contexts = parse_contexts(args.contexts) if args.contexts else None
         _describe(device, dtype_name, args)
         if args.model:
             bench_model(args.model, teacher="none" if args.no_teacher else "auto", contexts=contexts,
                         batch_size=args.batch_size, new_tokens=args.new_tokens, graph=args.graph,
                         device=str(device), dtype=dtype_name, out=args.out or Path(args.model) / "eval")
-            return 0
-        with tempfile.TemporaryDirectory(prefix="glaswap-bench-") as tmp:
-            started = time.time()
-            student, teacher = random_models(args.shape, DTYPES[dtype_name], device, Path(tmp))
-            print(f"built and converted a random {args.shape}-shaped Llama in {time.time() - started:.0f} s")
-            rows = bench_decode(student, None if args.no_teacher else teacher, contexts, args.batch_size,
-                                args.new_tokens, args.graph)
-        if args.out:
-            extra = {"model": f"random {args.shape}", "device": str(device), "dtype": dtype_name}
-            paths = write_bench(rows, Path(args.out), f"random {args.shape}: decode, batch {args.batch_size}",
-                                extra)
-            print(f"wrote {paths['json']} and {paths['png']}")
+        else:
+            bench_random(args.shape, contexts, args.batch_size, args.new_tokens, args.graph, device=str(device),
+                         dtype=dtype_name, teacher=not args.no_teacher, out=args.out)
         return 0
     except GlaswapError as e:
         print(f"Error: {e}", file=sys.stderr)

@@ -57,8 +57,8 @@ def real_batch(path, B, T):
 
 def strong_gates(lm, fraction, decay=0.3, seed=0):
     """Low-rank gates: a random `fraction` of the channels of every layer decays by `decay` a
-    step (their gate_up bias), the rest keep their start. SmolLM2's real stage 1 slowed from
-    0.155 to 0.40 s a step as its gates learned decays like these (NOTES, session 7)."""
+    step (their gate_up bias), the rest keep their start: gates as steep as a real stage 1
+    learns, which take the kernels' slow path and so set the step time of a trained model."""
     from glaswap.layers.gla_attention import _logit_for_decay
 
     gen = torch.Generator().manual_seed(seed)
@@ -72,13 +72,13 @@ def strong_gates(lm, fraction, decay=0.3, seed=0):
 
 def stage1_step(lm, params, opt, batch):
     """As stage 1 runs it: transfer flags on, softmax attention, MSE of every layer."""
-    from glaswap.distill.train import _transfer_step
+    from glaswap.distill.losses import transfer_step
 
     for layer in lm.model.layers:
         layer.self_attn.transfer = True
     try:
         with lm.attention_mode("softmax"), torch.autocast("cuda", dtype=torch.bfloat16):
-            loss = _transfer_step(lm, batch)
+            loss = transfer_step(lm, batch)
     finally:
         for layer in lm.model.layers:
             layer.self_attn.transfer = False
@@ -88,12 +88,12 @@ def stage1_step(lm, params, opt, batch):
     lm.zero_grad(set_to_none=True)
 
 
-def stage2_step(lm, peft_lm, params, opt, batch):
+def stage2_step(lm, params, opt, batch):
+    from glaswap.distill.losses import kd_step
     from glaswap.distill.recipe import Stage2
-    from glaswap.distill.train import _kd_step
 
     with torch.autocast("cuda", dtype=torch.bfloat16):
-        loss = _kd_step(lm, peft_lm, batch, Stage2(loss_chunk_tokens=8192))
+        loss = kd_step(lm, batch, Stage2(loss_chunk_tokens=8192))
     loss.backward()
     torch.nn.utils.clip_grad_norm_(params, 1.0)
     opt.step()
@@ -143,7 +143,7 @@ def main():
                          "starts every channel at the recipe's gate_init_decay")
     ap.add_argument("--reps", type=int, default=8)
     ap.add_argument("--no-varlen-cache", action="store_true",
-                    help="rebuild the kernels' cu_seqlens metadata in every layer (before session 7)")
+                    help="rebuild the kernels' cu_seqlens metadata in every layer instead of once per batch")
     ap.add_argument("--no-profile", action="store_true")
     ap.add_argument("--json")
     args = ap.parse_args()
@@ -153,9 +153,8 @@ def main():
     gla_triton.VARLEN_CACHE = not args.no_varlen_cache
     options = {".".join(key): value for key, value in map(parse_override, args.option)}
     B, T = (int(x) for x in args.batch.split("x"))
-    _teacher, lm, peft_lm = bench_distill.build(args.shape, options=options,
-                                                lora_targets=args.lora_targets.split(","))
-    del _teacher
+    teacher, lm, _ = bench_distill.build(args.shape, options=options, lora_targets=args.lora_targets.split(","))
+    del teacher
     torch.cuda.empty_cache()
     if args.strong_gates:
         strong_gates(lm, args.strong_gates)
@@ -171,7 +170,7 @@ def main():
         batch = packed_batch(B, T, bench_distill.SHAPES[args.shape]["vocab_size"], args.doc_mean)
     n_docs = B if batch["cu_seqlens"] is None else batch["cu_seqlens"].numel() - 1
     steps = {"stage1": lambda: stage1_step(lm, p1, opt1, batch),
-             "stage2": lambda: stage2_step(lm, peft_lm, p2, opt2, batch)}
+             "stage2": lambda: stage2_step(lm, p2, opt2, batch)}
     times = bench_distill.measure(steps, args.reps)
     rows = []
     for name, (ms, peak) in times.items():

@@ -39,7 +39,8 @@ def main():
     from glaswap.convert import glaswap_config
     from glaswap.distill.parallel import setup_distributed
     from glaswap.distill.recipe import Stage2
-    from glaswap.distill.train import _kd_step, lora_inputs_in_compute_dtype
+    from glaswap.distill.student import lora_inputs_in_compute_dtype
+    from glaswap.distill.losses import kd_step
     from glaswap.models.modeling_glaswap import GLASwapForCausalLM
 
     dist = setup_distributed(args.layout)
@@ -47,8 +48,8 @@ def main():
     torch.manual_seed(0)  # the same random model on every process
     lm = GLASwapForCausalLM(glaswap_config(LlamaConfig(**SHAPES[args.shape]).to_dict()))
     new = set(lm.new_parameter_names())
-    peft_model = get_peft_model(lm, LoraConfig(r=8, lora_alpha=16, lora_dropout=0.0,
-                                               target_modules=["q_proj", "k_proj", "v_proj", "o_proj"]))
+    get_peft_model(lm, LoraConfig(r=8, lora_alpha=16, lora_dropout=0.0,
+                                  target_modules=["q_proj", "k_proj", "v_proj", "o_proj"]))
     if dist.mode != "fsdp":
         lm.to(torch.bfloat16)
     for name, p in lm.named_parameters():
@@ -56,9 +57,8 @@ def main():
         if trainable:
             p.data = p.data.float()
         p.requires_grad_(trainable)
-    lm._glaswap_compute_dtype = torch.bfloat16
     lora_inputs_in_compute_dtype(lm)  # as glaswap distill does for autocast steps
-    dist.wrap(lm, device)
+    dist.wrap(lm, device, torch.bfloat16)
     params = [p for p in lm.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=1e-5)
     gen = torch.Generator(device="cpu").manual_seed(1000 + dist.rank)
@@ -67,7 +67,7 @@ def main():
     def step():
         ids = torch.randint(0, vocab, (args.batch, args.seq), generator=gen).to(device)
         with torch.autocast("cuda", dtype=torch.bfloat16):
-            loss = _kd_step(lm, peft_model, {"input_ids": ids, "cu_seqlens": None}, Stage2())
+            loss = kd_step(lm, {"input_ids": ids, "cu_seqlens": None}, Stage2())
         loss.backward()
         dist.sync_grads(params)
         opt.step()

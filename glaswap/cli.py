@@ -107,7 +107,7 @@ def distill(recipe_path, overrides, out, resume, force, stop_after):
     OVERRIDES are key.sub=value pairs, e.g. stage2.lr=1e-4 data.seq_len=1024.
     """
     from glaswap.distill import distill as run, load_recipe
-    from glaswap.distill.train import Interrupted
+    from glaswap.distill.loop import Interrupted
 
     recipe = load_recipe(recipe_path, overrides)
     # A scheduler's or timeout's SIGTERM checkpoints and stops like Ctrl-C.

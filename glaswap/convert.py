@@ -9,24 +9,22 @@ Everything is written to a temporary folder that becomes OUT only at the end.
 from __future__ import annotations
 
 import json
-import platform
 import shutil
 import time
 from pathlib import Path
 
 import torch
 
-import glaswap
 from glaswap.checkpoint import AUTO_MAP, FolderTensors, GGUFTensors, ShardWriter, output_folder, parse_size, \
     write_model_code
 from glaswap.errors import GlaswapError
 from glaswap.layers.gla_attention import GLAAttention
 from glaswap.models.configuration_glaswap import GLASwapConfig, check_gla_options
 from glaswap.models.modeling_glaswap import GLASwapForCausalLM
+from glaswap.runtime import DTYPES, dtype_named, versions
 from glaswap.sources import Source, resolve_source
 
 SUPPORTED = ("llama", "mistral", "qwen2", "qwen3")
-DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
                    "vocab.json", "merges.txt", "added_tokens.json", "chat_template.jinja", "chat_template.json",
                    "generation_config.json")
@@ -98,23 +96,11 @@ def expected_keys(config: GLASwapConfig) -> tuple[set[str], set[str]]:
 
 def _out_dtype(requested: str, src: Source, src_config: dict):
     if requested != "auto":
-        if requested not in DTYPES:
-            raise GlaswapError(f"invalid dtype {requested!r}; choose auto, {', '.join(DTYPES)}")
-        return DTYPES[requested]
+        return dtype_named(requested)
     if src.kind == "gguf":
         return torch.bfloat16  # dequantised GGUF weights fit bf16; fp32 would double the folder
     name = src_config.get("dtype") or src_config.get("torch_dtype")
     return DTYPES.get(name)  # None: keep each tensor's stored dtype
-
-
-def versions() -> dict:
-    out = {"glaswap": glaswap.__version__, "python": platform.python_version(), "torch": torch.__version__}
-    for pkg in ("transformers", "triton", "safetensors", "peft"):
-        try:
-            out[pkg] = __import__(pkg).__version__
-        except Exception:
-            out[pkg] = None
-    return out
 
 
 def convert(source: str, out, *, options: dict | None = None, force: bool = False, dtype: str = "auto",

@@ -15,43 +15,21 @@ from __future__ import annotations
 import importlib.util
 import json
 import math
-import os
-import tempfile
 import time
 from pathlib import Path
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
 from glaswap.errors import GlaswapError
+from glaswap.runtime import (atomic_write, check_model_folder, load_student, load_teacher, load_tokenizer,
+                             pick_device, pick_dtype, teacher_source, versions)
+from glaswap.scoring import token_kl, token_nll
 
 ROLES = ("student", "teacher", "stateful")
 
 
 # --------------------------------------------------------------------------- inputs
-def check_model_folder(model_dir) -> dict:
-    """The folder's glaswap.json, or a one-line error when it is not a glaswap model."""
-    path = Path(model_dir)
-    if not path.exists():
-        raise GlaswapError(f"{path} does not exist; pass a folder written by glaswap convert or distill")
-    if not path.is_dir():
-        raise GlaswapError(f"{path} is not a folder; pass a folder written by glaswap convert or distill")
-    meta_file, cfg_file = path / "glaswap.json", path / "config.json"
-    try:
-        cfg = json.loads(cfg_file.read_text())
-        meta = json.loads(meta_file.read_text())
-    except FileNotFoundError as e:
-        raise GlaswapError(f"{path} is not a glaswap model (no {Path(e.filename).name}); pass a folder written "
-                           f"by glaswap convert or distill")
-    except (OSError, ValueError) as e:
-        raise GlaswapError(f"{path} is not a readable glaswap model ({type(e).__name__}: {e}); convert it again")
-    if cfg.get("model_type") != "glaswap":
-        raise GlaswapError(f"{path} is not a glaswap model (config.json model_type is "
-                           f"{cfg.get('model_type')!r}); convert it first with glaswap convert")
-    return meta
-
-
 def read_text_file(path) -> str:
     """A file's text, or a one-line error for a missing, unreadable, empty or binary file."""
     path = Path(path)
@@ -71,98 +49,6 @@ def read_text_file(path) -> str:
         return data.decode("utf-8")
     except UnicodeDecodeError as e:
         raise GlaswapError(f"{path} is not UTF-8 text (bad byte at offset {e.start}); convert it to UTF-8 first")
-
-
-def pick_device(device: str = "auto") -> torch.device:
-    if device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        dev = torch.device(device)
-    except RuntimeError:
-        raise GlaswapError(f"invalid --device {device!r}; choose auto, cpu, cuda or cuda:N")
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise GlaswapError("--device cuda was asked for but no CUDA GPU is available; use --device cpu")
-    return dev
-
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-def pick_dtype(dtype: str, device: torch.device) -> torch.dtype:
-    if dtype == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    if dtype not in DTYPES:
-        raise GlaswapError(f"invalid dtype {dtype!r}; choose auto, {', '.join(DTYPES)}")
-    return DTYPES[dtype]
-
-
-def load_student(model_dir, device, dtype):
-    from glaswap.models.modeling_glaswap import GLASwapForCausalLM
-
-    try:
-        model = GLASwapForCausalLM.from_pretrained(str(model_dir), dtype=dtype)
-    except Exception as e:
-        first = str(e).splitlines()[0] if str(e) else ""
-        raise GlaswapError(f"{model_dir} could not be loaded ({type(e).__name__}: {first}); convert it again")
-    return model.to(device).eval()
-
-
-def load_tokenizer(model_dir):
-    from transformers import AutoTokenizer
-
-    try:
-        # trust_remote_code only silences the question transformers asks because config.json
-        # maps the model classes to the folder's code; no tokenizer code is taken from it.
-        tok = AutoTokenizer.from_pretrained(str(model_dir), trust_remote_code=True)
-    except Exception as e:
-        raise GlaswapError(f"{model_dir} has no usable tokenizer ({type(e).__name__}); copy the tokenizer files "
-                           f"of the source model into it")
-    tok.model_max_length = 1 << 60  # whole documents are tokenised at once; windows come later
-    return tok
-
-
-def teacher_source(model_dir, meta: dict, teacher: str):
-    """(kind, path, description) of the teacher: "self", or a folder / .gguf to load."""
-    from glaswap.sources import resolve_source
-
-    if teacher == "self":
-        return "self", None, {"spec": "self", "kind": "self",
-                              "note": "the model's own softmax attention (the teacher before distillation)"}
-    if teacher == "auto":
-        recorded = meta.get("source") or {}
-        path = Path(recorded.get("path", ""))
-        if recorded.get("path") and path.exists():
-            kind = "gguf" if path.is_file() else "folder"
-            return kind, path, dict(recorded)
-        if not recorded.get("spec"):
-            raise GlaswapError(f"{model_dir}/glaswap.json records no source model; pass --teacher PATH "
-                               f"or --teacher self")
-        try:
-            src = resolve_source(recorded["spec"])
-        except GlaswapError as e:
-            raise GlaswapError(f"the source model recorded in glaswap.json is not available ({e}); "
-                               f"pass --teacher PATH or --teacher self")
-        return src.kind, src.path, src.describe()
-    src = resolve_source(teacher)
-    if src.kind == "folder" and (src.path / "glaswap.json").is_file():
-        raise GlaswapError(f"{teacher} is a glaswap model; --teacher takes the original model (a Hugging Face "
-                           f"folder or .gguf file) or self")
-    return src.kind, src.path, src.describe()
-
-
-def load_teacher(kind, path, device, dtype):
-    from transformers import AutoModelForCausalLM
-
-    try:
-        if kind == "gguf":
-            model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=dtype)
-        else:
-            model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype)
-    except Exception as e:
-        first = str(e).splitlines()[0] if str(e) else ""
-        raise GlaswapError(f"the teacher {path} could not be loaded ({type(e).__name__}: {first}); pass "
-                           f"--teacher PATH to another copy or --teacher self")
-    return model.to(device).eval()
 
 
 # --------------------------------------------------------------------------- windows
@@ -229,10 +115,6 @@ class Document:
 
 
 # --------------------------------------------------------------------------- scoring
-def _nll(logits, targets):
-    return F.cross_entropy(logits.float(), targets, reduction="none")
-
-
 @torch.no_grad()
 def _score_windows(docs, student, teacher, batch_size, device, bar):
     """Student and teacher on identical windows, batch_size windows at a time (right-padded:
@@ -258,11 +140,10 @@ def _score_windows(docs, student, teacher, batch_size, device, bar):
         for r, (d, (begin, end, first)) in enumerate(batch):
             rows = slice(first - 1 - begin, end - 1 - begin)      # logits at j - 1 predict token j
             target = ids[r, first - begin:end - begin]
-            s, t = s_logits[r, rows].float(), t_logits[r, rows].float()
-            d.nll["student"][first:end] = _nll(s, target).cpu().numpy()
-            d.nll["teacher"][first:end] = _nll(t, target).cpu().numpy()
-            s_logp, t_logp = F.log_softmax(s, -1), F.log_softmax(t, -1)
-            d.kl[first:end] = (t_logp.exp() * (t_logp - s_logp)).sum(-1).cpu().numpy()
+            s, t = s_logits[r, rows], t_logits[r, rows]
+            d.nll["student"][first:end] = token_nll(s, target).cpu().numpy()
+            d.nll["teacher"][first:end] = token_nll(t, target).cpu().numpy()
+            d.kl[first:end] = token_kl(t, s).cpu().numpy()
 
 
 @torch.no_grad()
@@ -281,9 +162,9 @@ def _score_stateful(docs, student, chunk, device, bar):
             if last is not None:
                 logits = torch.cat([last, logits])
                 preds, targets = logits[:-1], d.ids[begin:begin + ids.shape[1]]
-                nll[begin:begin + ids.shape[1]] = _nll(preds, targets.to(device)).cpu().numpy()
+                nll[begin:begin + ids.shape[1]] = token_nll(preds, targets.to(device)).cpu().numpy()
             else:
-                nll[1:ids.shape[1]] = _nll(logits[:-1], ids[0, 1:]).cpu().numpy()
+                nll[1:ids.shape[1]] = token_nll(logits[:-1], ids[0, 1:]).cpu().numpy()
             last = logits[-1:]
             bar.update(ids.shape[1])
         d.nll["stateful"][d.scored] = nll[d.scored]
@@ -393,8 +274,6 @@ def evaluate(model_dir, texts, teacher: str = "auto", context: int = 512, stride
         "tokens_per_second": round(total / max(seconds, 1e-9), 1),
         "load_seconds": round(t0 - started, 2),
     }
-    from glaswap.convert import versions
-
     result["versions"] = versions()
     out = Path(out) if out is not None else model_dir / "eval"
     name = _run_name(docs, context, stride)
@@ -438,25 +317,12 @@ def format_table(result: dict) -> str:
     return "\n".join(lines)
 
 
-def _atomic_write(path: Path, write):
-    """write(tmp_path) then rename onto path, so a reader never sees half a file."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=path.suffix, dir=path.parent)
-    os.close(fd)
-    try:
-        write(Path(tmp))
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
 def _write_outputs(result, out: Path, name: str, plot: bool = True):
     try:
-        _atomic_write(out / f"{name}.json",
+        atomic_write(out / f"{name}.json",
                       lambda p: p.write_text(json.dumps(result, indent=2, allow_nan=False) + "\n"))
         if plot:
-            _atomic_write(out / f"{name}.png", lambda p: plot_by_position(result, p))
+            atomic_write(out / f"{name}.png", lambda p: plot_by_position(result, p))
     except OSError as e:
         raise GlaswapError(f"could not write the results to {out} ({e.strerror or e}); pass --out DIR "
                            f"to a writable folder")

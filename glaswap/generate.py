@@ -15,6 +15,7 @@ import json
 import time
 import warnings
 import weakref
+import tempfile
 from pathlib import Path
 
 import torch
@@ -22,9 +23,23 @@ import torch
 from glaswap.errors import GlaswapError
 from glaswap.layers.gla_attention import feature_dim, state_heads
 from glaswap.models.modeling_glaswap import GLASwapCache
+from glaswap.runtime import (atomic_write, check_model_folder, load_student, load_teacher, load_tokenizer,
+                             pick_device, pick_dtype, teacher_source, versions)
 
 DEFAULT_CONTEXTS = (1024, 4096, 16384, 32768)
 CPU_CONTEXTS = (64, 256)
+RANDOM_SHAPES = {
+    # SmolLM2-135M (HuggingFaceTB/SmolLM2-135M config.json)
+    "smollm2": dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+                    num_attention_heads=9, num_key_value_heads=3, head_dim=64, tie_word_embeddings=True,
+                    rms_norm_eps=1e-5, rope_parameters={"rope_type": "default", "rope_theta": 100000.0},
+                    max_position_embeddings=65536, bos_token_id=1, eos_token_id=2),
+    # a few-millisecond model to check the benchmark itself on a CPU
+    "tiny": dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                 num_attention_heads=4, num_key_value_heads=2, head_dim=16, tie_word_embeddings=True,
+                 rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+                 max_position_embeddings=65536, bos_token_id=1, eos_token_id=2),
+}
 
 
 # --------------------------------------------------------------------------- CUDA graph decode
@@ -190,8 +205,6 @@ def generate_text(model_dir, prompt: str, max_new_tokens: int = 128, temperature
                   device: str = "auto", graph: str = "auto", stream: bool = True, log=print) -> dict:
     """Generate from a prompt with the recurrent-state cache, streaming the text to stdout."""
     from transformers import GenerationConfig, TextStreamer
-
-    from glaswap.evaluate import check_model_folder, load_student, load_tokenizer, pick_device, pick_dtype
 
     if not prompt or not prompt.strip():
         raise GlaswapError("the prompt is empty; pass --prompt TEXT")
@@ -431,16 +444,14 @@ def plot_bench(rows, path: Path, title: str):
 
 def write_bench(rows, out: Path, title: str, extra: dict | None = None) -> dict:
     """decode_bench.json and decode_bench.png in `out`, each written atomically."""
-    from glaswap.evaluate import _atomic_write
-
     result = {"rows": rows, **(extra or {})}
     paths = {"json": out / "decode_bench.json", "png": out / "decode_bench.png"}
     if importlib.util.find_spec("matplotlib") is None:   # e.g. a GPU box running from a source checkout
         paths["png"] = None
     try:
-        _atomic_write(paths["json"], lambda p: p.write_text(json.dumps(result, indent=2) + "\n"))
+        atomic_write(paths["json"], lambda p: p.write_text(json.dumps(result, indent=2) + "\n"))
         if paths["png"] is not None:
-            _atomic_write(paths["png"], lambda p: plot_bench(rows, p, title))
+            atomic_write(paths["png"], lambda p: plot_bench(rows, p, title))
     except OSError as e:
         raise GlaswapError(f"could not write the benchmark to {out} ({e.strerror or e}); pass --out DIR "
                            f"to a writable folder")
@@ -450,10 +461,6 @@ def write_bench(rows, out: Path, title: str, extra: dict | None = None) -> dict:
 def bench_model(model_dir, teacher: str = "auto", contexts=None, batch_size: int = 1, new_tokens: int = 32,
                 graph: str = "auto", device: str = "auto", dtype: str = "auto", out=None, log=print) -> dict:
     """`glaswap generate --bench`: the model folder against its teacher (or --teacher PATH / none)."""
-    from glaswap.convert import versions
-    from glaswap.evaluate import (check_model_folder, load_student, load_teacher, pick_device, pick_dtype,
-                                  teacher_source)
-
     meta = check_model_folder(model_dir)
     dev = pick_device(device)
     if contexts is None:
@@ -477,4 +484,42 @@ def bench_model(model_dir, teacher: str = "auto", contexts=None, batch_size: int
     out = Path(out) if out is not None else Path(model_dir) / "eval"
     extra["outputs"] = write_bench(rows, out, f"{Path(model_dir).name}: decode, batch {batch_size}", extra)
     log(f"wrote {extra['outputs']['json']} and {extra['outputs']['png']}")
+    return {"rows": rows, **extra}
+
+
+def random_models(shape: str, dtype, device, workdir: Path, seed: int = 0):
+    """(GLA student, teacher): a Llama of RANDOM_SHAPES[shape] with random weights (the
+    teacher), saved to `workdir` and converted by glaswap.convert (the student)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from glaswap.convert import convert
+
+    torch.manual_seed(seed)
+    teacher = LlamaForCausalLM(LlamaConfig(**RANDOM_SHAPES[shape])).to(torch.bfloat16)
+    teacher.save_pretrained(str(workdir / "teacher"))
+    convert(str(workdir / "teacher"), workdir / "gla", report=False, dtype="bfloat16", log=lambda *_: None)
+    student = load_student(workdir / "gla", device, dtype)
+    return student, teacher.to(device=device, dtype=dtype).eval()
+
+
+def bench_random(shape: str = "smollm2", contexts=None, batch_size: int = 1, new_tokens: int = 64,
+                 graph: str = "auto", device: str = "auto", dtype: str = "auto", teacher: bool = True, out=None,
+                 log=print) -> dict:
+    """The decode benchmark with no model to download: a random Llama of RANDOM_SHAPES[shape]
+    against its conversion; decode_bench.json and .png go to `out` when it is given."""
+    dev = pick_device(device)
+    dt = pick_dtype(dtype, dev)
+    if contexts is None:
+        contexts = DEFAULT_CONTEXTS if dev.type == "cuda" else CPU_CONTEXTS
+    with tempfile.TemporaryDirectory(prefix="glaswap-bench-") as tmp:
+        started = time.time()
+        student, teacher_model = random_models(shape, dt, dev, Path(tmp))
+        log(f"built and converted a random {shape}-shaped Llama in {time.time() - started:.0f} s")
+        rows = bench_decode(student, teacher_model if teacher else None, contexts, batch_size, new_tokens, graph,
+                            log=log)
+    extra = {"model": f"random {shape}", "device": str(dev), "dtype": str(dt).replace("torch.", "")}
+    if out is not None:
+        paths = write_bench(rows, Path(out), f"random {shape}: decode, batch {batch_size}", extra)
+        log(f"wrote {paths['json']} and {paths['png']}")
+        extra["outputs"] = paths
     return {"rows": rows, **extra}

@@ -9,27 +9,26 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.nn.functional as F
 
+from glaswap.runtime import pick_device, pick_dtype
 from glaswap.sample_text import SAMPLE_TEXT
+from glaswap.scoring import token_kl, token_nll
 
 
 @torch.no_grad()
-def token_losses(model, ids, mode, attention_mask=None):
-    """Per-token next-token NLL [B, T-1] (float32) and log-probs, in the given attention mode."""
+def _next_token_logits(model, ids, mode):
+    """Logits [B, T-1, V] at every position that has a next token, in the given attention mode."""
     with model.attention_mode(mode):
-        logits = model(input_ids=ids, attention_mask=attention_mask, use_cache=False).logits.float()
-    logp = F.log_softmax(logits[:, :-1], dim=-1)
-    nll = -logp.gather(-1, ids[:, 1:, None]).squeeze(-1)
-    return nll, logp
+        return model(input_ids=ids, use_cache=False).logits[:, :-1]
 
 
 @torch.no_grad()
 def compare(model, ids) -> dict:
     """Teacher and student perplexity and mean KL(teacher || student) per token on `ids` [B, T]."""
-    t_nll, t_logp = token_losses(model, ids, "softmax")
-    s_nll, s_logp = token_losses(model, ids, "gla")
-    kl = (t_logp.exp() * (t_logp - s_logp)).sum(-1)
+    t_logits = _next_token_logits(model, ids, "softmax")
+    s_logits = _next_token_logits(model, ids, "gla")
+    t_nll, s_nll = token_nll(t_logits, ids[:, 1:]), token_nll(s_logits, ids[:, 1:])
+    kl = token_kl(t_logits, s_logits)
     return {"tokens": int(t_nll.numel()),
             "teacher_ppl": math.exp(t_nll.mean().item()),
             "student_ppl": math.exp(min(s_nll.mean().item(), 700.0)),
@@ -62,15 +61,13 @@ def step0_report(folder, config, log=print) -> dict:
 
     from glaswap.models.modeling_glaswap import GLASwapForCausalLM
 
-    cuda = torch.cuda.is_available()
-    dtype = torch.bfloat16 if cuda else torch.float32
+    device = pick_device("auto")
+    dtype = pick_dtype("auto", device)
     n_params = _param_count(config)
-    if not cuda and n_params * 4 * 1.3 > _available_memory():
+    if device.type == "cpu" and n_params * 4 * 1.3 > _available_memory():
         log("step-0 report skipped: the model does not fit in this machine's memory in float32")
         return {"skipped": "model larger than available memory"}
-    model = GLASwapForCausalLM.from_pretrained(str(folder), dtype=dtype).eval()
-    if cuda:
-        model.cuda()
+    model = GLASwapForCausalLM.from_pretrained(str(folder), dtype=dtype).to(device).eval()
     try:
         tok = AutoTokenizer.from_pretrained(str(folder), trust_remote_code=True)
     except Exception:

@@ -22,7 +22,7 @@ from glaswap.distill import data as D
 from glaswap.distill import distill, load_recipe
 from glaswap.distill.losses import kd_loss, next_token_labels
 from glaswap.distill.parallel import Dist
-from glaswap.distill.train import Interrupted, evaluate_blocks
+from glaswap.distill.loop import Interrupted, evaluate_blocks
 from glaswap.errors import GlaswapError
 from glaswap.models.modeling_glaswap import GLASwapForCausalLM
 
@@ -135,7 +135,7 @@ def test_lora_inputs_in_compute_dtype_changes_nothing_under_autocast():
     from helpers import tiny_teacher
     from peft import LoraConfig, get_peft_model
 
-    from glaswap.distill.train import lora_inputs_in_compute_dtype
+    from glaswap.distill.student import lora_inputs_in_compute_dtype
 
     def run(skip_casts):
         model = get_peft_model(tiny_teacher("llama").to(torch.bfloat16),
@@ -177,7 +177,7 @@ def test_attention_transfer_trains_only_the_layer_it_scores():
     from peft import LoraConfig, get_peft_model
 
     from glaswap.convert import glaswap_config
-    from glaswap.distill.train import _transfer_step
+    from glaswap.distill.losses import transfer_step
 
     teacher = tiny_teacher("llama", layers=3)
     options = {"gate": "lowrank", "feature_map": "hedgehog_pm"}
@@ -197,7 +197,7 @@ def test_attention_transfer_trains_only_the_layer_it_scores():
         ids = torch.arange(150)[None] % 128
         cu = torch.tensor([0, 60, 150], dtype=torch.int32)
         with lm.attention_mode("softmax"):
-            loss = _transfer_step(lm, {"input_ids": ids, "cu_seqlens": cu})
+            loss = transfer_step(lm, {"input_ids": ids, "cu_seqlens": cu})
         loss.backward()
         return {n.replace("base_model.model.", ""): p.grad for n, p in lm.named_parameters()
                 if p.grad is not None}
@@ -216,7 +216,7 @@ def _quiet(*_args, **_kwargs):
     pass
 
 
-# The GPU recipe's choices (session 5): hedgehog_pm maps and LoRA on the MLP too.
+# The GPU recipe's choices: hedgehog_pm maps and LoRA on the MLP too.
 VARIANTS = {"default": {},
             "pm_mlp": {"model": {"options": {"gate": "lowrank", "feature_map": "hedgehog_pm"}},
                        "stage2": {"lora_targets": ["q_proj", "k_proj", "v_proj", "o_proj",

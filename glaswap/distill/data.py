@@ -1,4 +1,5 @@
-"""Training text: reading sources, cached tokenisation, packing into blocks with document boundaries.
+"""Training text: reading sources, cached tokenisation, packing into blocks with document boundaries,
+and every data set of a recipe loaded at once (`load_run_data`).
 
 Documents are concatenated and cut into blocks of `seq_len` tokens. Each block keeps where
 its documents start, and a batch of blocks becomes `input_ids [B, T]` plus `cu_seqlens` over
@@ -22,7 +23,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from glaswap.distill.recipe import DataSource
+from glaswap.distill.recipe import DataSource, Recipe
 from glaswap.errors import GlaswapError
 from glaswap.sources import cache_dir, pip_download
 
@@ -311,3 +312,75 @@ def batch_indices(n_blocks: int, seed: int, step: int, micro: int, accum: int, b
         epoch, pos = divmod(flat, n_blocks)
         out.append(int(block_order(n_blocks, seed, epoch)[pos]))
     return out
+
+
+# ----------------------------------------------------------------------------- a recipe's data
+def recipe_sources(recipe: Recipe) -> list[DataSource]:
+    return (list(recipe.data.train) + list(recipe.data.eval)
+            + [s for extra in recipe.data.extra_eval for s in extra.sources])
+
+
+def check_paths(recipe: Recipe):
+    """Fail on a missing data file before the (slow) conversion starts."""
+    for spec in recipe_sources(recipe):
+        if spec.path:
+            if spec.path.endswith(".npz"):
+                if not Path(spec.path).expanduser().is_file():
+                    raise GlaswapError(f"data file {spec.path} does not exist; check data paths in the recipe")
+            else:
+                for f in _local_files(spec):
+                    if f.stat().st_size == 0 or (f.stat().st_size < 1 << 20 and not f.read_bytes().strip()):
+                        raise GlaswapError(f"data file {f} is empty; remove it from the recipe or add text")
+
+
+def load_tokenizer(converted: Path, recipe: Recipe):
+    """The model's tokenizer; None is fine when every source is pre-tokenised (.npz)."""
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(str(converted), trust_remote_code=True)
+    except Exception:
+        if all(s.path and s.path.endswith(".npz") for s in recipe_sources(recipe)):
+            return None
+        raise GlaswapError(f"{recipe.model.source} has no tokenizer; give pre-tokenised .npz data "
+                           f"or a model folder with tokenizer files")
+
+
+@dataclass
+class RunData:
+    tokenizer: object                      # None when every source is pre-tokenised
+    train: Tokens                          # data.train without the held-out part
+    heldout: Tokens
+    eval: Tokens                           # data.eval, or the held-out part when there is none
+    blocks: PackedBlocks                   # of train
+    eval_blocks: PackedBlocks | None       # of eval; None when it is empty
+    extra_blocks: dict[str, PackedBlocks]  # data.extra_eval by name
+
+
+def load_run_data(converted: Path, recipe: Recipe, log=print) -> RunData:
+    """Tokenizer and every data set of the recipe, packed into blocks; GlaswapError (one line)
+    when one is empty or shorter than one block."""
+    tokenizer = load_tokenizer(converted, recipe)
+    vocab = json.loads((converted / "config.json").read_text())["vocab_size"]
+    seq_len = recipe.data.seq_len
+    train_tokens = load_sources(recipe.data.train, tokenizer, log, vocab)
+    if train_tokens.n_tokens == 0:
+        raise GlaswapError("data.train holds no text (0 tokens); check the sources in the recipe")
+    train_tokens, heldout = split_heldout(train_tokens, recipe.data.heldout_fraction)
+    eval_tokens = load_sources(recipe.data.eval, tokenizer, log, vocab) if recipe.data.eval else heldout
+    blocks = PackedBlocks(train_tokens, seq_len)
+    eval_blocks = PackedBlocks(eval_tokens, seq_len) if eval_tokens.n_tokens else None
+    if len(blocks) == 0:
+        raise GlaswapError(f"data.train has {train_tokens.n_tokens} tokens, fewer than one block of "
+                           f"data.seq_len={seq_len}; add text or lower seq_len")
+    log(f"data: {train_tokens.n_tokens:,} training tokens ({len(blocks):,} blocks of {seq_len}), "
+        f"{heldout.n_tokens:,} held out, {eval_tokens.n_tokens:,} for evaluation")
+    extra_blocks = {}
+    for extra in recipe.data.extra_eval:
+        toks = load_sources(extra.sources, tokenizer, log, vocab)
+        extra_blocks[extra.name] = PackedBlocks(toks, seq_len)
+        if len(extra_blocks[extra.name]) == 0:
+            raise GlaswapError(f"data.extra_eval {extra.name!r} has {toks.n_tokens} tokens, fewer than one "
+                               f"block of data.seq_len={seq_len}; add text or lower seq_len")
+        log(f"data: {toks.n_tokens:,} tokens for evaluation set {extra.name!r}")
+    return RunData(tokenizer, train_tokens, heldout, eval_tokens, blocks, eval_blocks, extra_blocks)

@@ -1,4 +1,4 @@
-"""Distillation losses.
+"""Distillation losses: each stage's loss of a batch, and the KL they rest on.
 
 The vocabulary projection is the largest tensor of a step (tokens x vocabulary, 128K words
 for Llama 3), so the KL is computed a chunk of tokens at a time from the final hidden
@@ -10,6 +10,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
+
+from glaswap.distill.student import adapters_off
 
 
 def next_token_labels(input_ids: torch.Tensor, cu_seqlens: torch.Tensor | None) -> torch.Tensor:
@@ -63,3 +65,23 @@ def kd_loss(h_student, h_teacher, lm_head_weight, labels, ce_weight=0.0, tempera
             parts["ce"] = ce_sum.detach() / n
     total = kl_sum + ce_weight * ce_sum if ce_weight else kl_sum
     return total / n
+
+
+def transfer_step(lm, batch):
+    """Stage 1: mean over layers of the MSE between GLA and softmax attention outputs."""
+    out = lm.model(input_ids=batch["input_ids"], cu_seqlens=batch["cu_seqlens"], use_cache=False)
+    return torch.stack(out.transfer_losses).mean()
+
+
+def kd_step(lm, batch, cfg):
+    """Stage 2: teacher hidden states (adapters off, softmax) then the student's, KL on logits.
+    With a cross-entropy weight the two terms also come back apart, for the metrics log."""
+    ids, cu = batch["input_ids"], batch["cu_seqlens"]
+    with torch.no_grad(), adapters_off(lm), lm.attention_mode("softmax"):
+        h_t = lm.model(input_ids=ids, cu_seqlens=cu, use_cache=False).last_hidden_state
+    h_s = lm.model(input_ids=ids, cu_seqlens=cu, use_cache=False).last_hidden_state
+    labels = next_token_labels(ids, cu)
+    parts = {}
+    loss = kd_loss(h_s.flatten(0, 1), h_t.flatten(0, 1), lm.lm_head.weight, labels, cfg.ce_weight,
+                   cfg.kd_temperature, cfg.loss_chunk_tokens, parts=parts)
+    return (loss, parts) if cfg.ce_weight else loss

@@ -22,6 +22,8 @@ from pathlib import Path
 import torch
 import torch.distributed as tdist
 
+from glaswap.distill.checkpoints import copy_state
+
 
 def _is_dtensor(t) -> bool:
     return type(t).__name__ == "DTensor"
@@ -104,15 +106,15 @@ class Dist:
             tdist.destroy_process_group()
 
     # ---------------------------------------------------------------- the model
-    def wrap(self, model, device):
-        """Place the model: whole on `device`, or its decoder layers sharded (fsdp)."""
+    def wrap(self, model, device, compute=torch.float32):
+        """Place the model: whole on `device`, or its decoder layers sharded (fsdp), stored
+        in their dtype and gathered in the `compute` dtype for each forward and backward."""
         if self.mode != "fsdp":
             return model.to(device)
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
         mesh = init_device_mesh(device.type, (self.world,))
-        compute = getattr(model, "_glaswap_compute_dtype", torch.float32)
         mp = MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=torch.float32) \
             if compute != torch.float32 else MixedPrecisionPolicy()
         for layer in model.model.layers:
@@ -140,8 +142,6 @@ class Dist:
     def load_trainable(self, model, folder: Path):
         """Load a checkpoint's parameters, sharding them as this process's layout wants."""
         from safetensors.torch import load_file
-
-        from glaswap.distill.train import copy_state
 
         state = load_file(str(Path(folder) / "trainable.safetensors"))
         if self.mode == "fsdp":

@@ -1,0 +1,104 @@
+"""The student a run trains: the converted model with LoRA attached, which parameters train,
+and in which device and dtype."""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from glaswap.distill.parallel import Dist
+from glaswap.distill.recipe import Recipe
+from glaswap.errors import GlaswapError
+from glaswap.runtime import pick_device, pick_dtype
+
+
+@dataclass
+class Student:
+    lm: torch.nn.Module         # GLASwapForCausalLM, LoRA layers in place
+    peft_model: object          # its peft wrapper; None when stage 2 has no steps
+    new_names: set[str]         # gates and feature maps, the parameters conversion added
+    lora_names: set[str]
+
+    @property
+    def trainable(self) -> set[str]:
+        """Every parameter the run trains: what checkpoints and the final save carry."""
+        return self.new_names | self.lora_names
+
+
+def device_dtype(recipe: Recipe, dist: Dist):
+    """The device of this process (its local GPU under torchrun) and the training dtype."""
+    if recipe.train.device == "cuda" and not torch.cuda.is_available():
+        raise GlaswapError("train.device is cuda but no CUDA GPU is visible; use train.device=cpu")
+    device = pick_device(recipe.train.device)
+    if device.type == "cuda":
+        device = torch.device("cuda", dist.local_rank)
+    return device, pick_dtype(recipe.train.dtype, device)
+
+
+def build_student(converted: Path, recipe: Recipe, dtype) -> Student:
+    """The converted model with LoRA attached from the start (its B matrices are zero, so it
+    changes nothing until stage 2 trains it): the module structure never changes during a
+    run, which lets FSDP shard it once. All new and LoRA parameters require grad; each
+    stage's optimizer takes the ones it trains."""
+    from glaswap.models.modeling_glaswap import GLASwapForCausalLM
+
+    lm = GLASwapForCausalLM.from_pretrained(str(converted), dtype=dtype)
+    if recipe.train.gradient_checkpointing:
+        lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    new_names = set(lm.new_parameter_names())
+    peft_model = None
+    s2 = recipe.stage2
+    if s2.steps > 0:
+        from peft import LoraConfig, get_peft_model
+
+        lora = LoraConfig(r=s2.lora_rank, lora_alpha=s2.lora_alpha, lora_dropout=s2.lora_dropout,
+                          target_modules=list(s2.lora_targets), bias="none")
+        try:
+            peft_model = get_peft_model(lm, lora)
+        except ValueError as e:
+            raise GlaswapError(f"stage2.lora_targets: {str(e).splitlines()[0]}")
+    lora_names = set()
+    for name, p in lm.named_parameters():
+        if name in new_names:
+            p.data = p.data.float()  # optimizer updates in float32 even when the model is bf16
+        is_lora = ".lora_" in name
+        if is_lora:
+            lora_names.add(name)
+        p.requires_grad_(name in new_names or is_lora)
+    return Student(lm, peft_model, new_names, lora_names)
+
+
+def lora_inputs_in_compute_dtype(model):
+    """Stop peft from casting each LoRA layer's input to its adapter's dtype.
+
+    peft keeps adapters in float32 when the base model is bf16 and casts the input to float32
+    before them; autocast then casts it straight back to bf16 for the matmul. That is 13
+    activation-sized copies per decoder layer and step, forward and backward (counted with
+    the profiler on a tiny model), ~2.6 GB of traffic per layer for a 1B model at 16K tokens.
+    Only for steps that run under autocast: there the result is the same, bit for bit (a
+    bf16 -> float32 -> bf16 round trip is exact). Returns the number of layers changed."""
+    n = 0
+    for module in model.modules():
+        if hasattr(module, "cast_input_dtype_enabled") and hasattr(module, "lora_A"):
+            module.cast_input_dtype_enabled = False
+            n += 1
+    return n
+
+
+@contextlib.contextmanager
+def adapters_off(model):
+    """LoRA layers pass their base layer's output through, as peft's disable_adapter() does,
+    but without its side effect of toggling requires_grad: under FSDP2 that toggle lands on
+    whichever parameter objects (sharded or gathered) the module holds at that moment."""
+    layers = [m for m in model.modules() if hasattr(m, "_disable_adapters")]
+    before = [m._disable_adapters for m in layers]
+    for m in layers:
+        m._disable_adapters = True
+    try:
+        yield
+    finally:
+        for m, b in zip(layers, before):
+            m._disable_adapters = b
