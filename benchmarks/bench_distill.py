@@ -127,13 +127,15 @@ def measure(steps: dict, reps: int, interleave: bool = True) -> dict:
 
 
 def apply_overrides(items):
-    """`--set KEY=VALUE` items: feature-map launch keys by name, the rest GLA kernel overrides."""
-    from glaswap_kernels import feature_map_triton, gla_triton
+    """`--set KEY=VALUE` items: the feature map's launch keys (GLA kernel launch rules are
+    tuned per call with bench_kernels.py --set, which reaches fused_chunk_gla's _overrides)."""
+    from glaswap_kernels import feature_map_triton
     for item in items or []:
         key, _, value = item.partition("=")
-        value = int(value) if value.lstrip("-").isdigit() else value
-        target = feature_map_triton.LAUNCH if key in feature_map_triton.LAUNCH else gla_triton.OVERRIDES
-        target[key] = value
+        if key not in feature_map_triton.LAUNCH:
+            raise SystemExit(f"--set {key}: not a feature-map launch key ({', '.join(feature_map_triton.LAUNCH)}); "
+                             "tune GLA kernel launches with bench_kernels.py --set")
+        feature_map_triton.LAUNCH[key] = int(value) if value.lstrip("-").isdigit() else value
 
 
 def main():
@@ -148,7 +150,7 @@ def main():
     ap.add_argument("--peft-casts", action="store_true",
                     help="keep peft's float32 casts of LoRA inputs (glaswap distill skips them under autocast)")
     ap.add_argument("--set", action="append", metavar="KEY=VALUE",
-                    help="kernel launch override: a gla_triton._Config attribute (as in bench_kernels.py) "
+                    help="feature-map launch key, as in bench_feature_map.py "
                          "or a feature_map_triton.LAUNCH key (e.g. split_dw=1)")
     args = ap.parse_args()
     apply_overrides(args.set)

@@ -142,15 +142,10 @@ def main():
                          "step, as trained gates end up (the kernels' slow path); the default "
                          "starts every channel at the recipe's gate_init_decay")
     ap.add_argument("--reps", type=int, default=8)
-    ap.add_argument("--no-varlen-cache", action="store_true",
-                    help="rebuild the kernels' cu_seqlens metadata in every layer instead of once per batch")
     ap.add_argument("--no-profile", action="store_true")
     ap.add_argument("--json")
     args = ap.parse_args()
     from glaswap.distill.recipe import parse_override
-    from glaswap_kernels import gla_triton
-
-    gla_triton.VARLEN_CACHE = not args.no_varlen_cache
     options = {".".join(key): value for key, value in map(parse_override, args.option)}
     B, T = (int(x) for x in args.batch.split("x"))
     teacher, lm, _ = bench_distill.build(args.shape, options=options, lora_targets=args.lora_targets.split(","))
@@ -179,12 +174,10 @@ def main():
         busy = float("nan") if args.no_profile else busy_fraction(steps[name], top=args.top)
         rows.append(dict(shape=args.shape, B=B, T=T, docs=n_docs, step=name, ms=ms, tok_s=B * T / ms * 1e3,
                          peak_gib=peak, gpu_busy=busy, options=options, lora_targets=args.lora_targets,
-                         varlen_cache=gla_triton.VARLEN_CACHE, strong_gates=args.strong_gates,
-                         overrides=dict(gla_triton.OVERRIDES)))
+                         strong_gates=args.strong_gates))
         print(json.dumps(rows[-1]), flush=True)
-    print(f"\n{args.shape} {B}x{T}, {n_docs} documents, varlen cache {'on' if gla_triton.VARLEN_CACHE else 'off'}, "
-          f"options {options or 'default'}, LoRA on {args.lora_targets}, strong gates {args.strong_gates}, "
-          f"kernel overrides {gla_triton.OVERRIDES or '-'}")
+    print(f"\n{args.shape} {B}x{T}, {n_docs} documents, "
+          f"options {options or 'default'}, LoRA on {args.lora_targets}, strong gates {args.strong_gates}")
     print(f"{'step':8} {'ms':>8} {'tok/s':>9} {'GiB':>6} {'GPU busy':>9}")
     for r in rows:
         print(f"{r['step']:8} {r['ms']:8.1f} {r['tok_s']:9,.0f} {r['peak_gib']:6.1f} {100 * r['gpu_busy']:8.0f}%")
