@@ -151,7 +151,7 @@ def main():
                     help="keep peft's float32 casts of LoRA inputs (glaswap distill skips them under autocast)")
     ap.add_argument("--set", action="append", metavar="KEY=VALUE",
                     help="feature-map launch key, as in bench_feature_map.py "
-                         "or a feature_map_triton.LAUNCH key (e.g. split_dw=1)")
+                         "(e.g. BN=64)")
     args = ap.parse_args()
     apply_overrides(args.set)
     from glaswap.distill.recipe import parse_override   # KEY=VALUE read as recipe overrides are
