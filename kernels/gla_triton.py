@@ -40,12 +40,8 @@ leave SMs idle (few long sequences); see _Config.plan_segments.
 The chunk-start states of the forward pass (bf16 for bf16 inputs, fp32 otherwise) are kept
 for the backward pass instead of being recomputed.
 
-dg needs no global pass: with dGabs_t = sum_heads q_t*dq_t - k_t*dk_t, dg_s is the reverse
-in-chunk cumulative sum of dGabs from s to the chunk end plus
-r_{n+1}[k] = sum_v h_{n+1}[k, v] * dh_{n+1}[k, v] (scaling the state at a chunk boundary by
-e^gamma is the same as adding gamma to the next step's log-decay). _bwd_dqkg_kernel
-evaluates that sum with its cancelling O(1) terms removed analytically (see there), so dg
-keeps its relative precision under strong decays.
+dg needs no global pass: a reverse in-chunk cumulative sum plus one term per chunk boundary
+(gla_chunk_bwd.py's docstring gives the derivation).
 """
 
 from __future__ import annotations
