@@ -55,6 +55,18 @@ class _ReplayGraph:
         self.fn()
 
 
+_WARMUP_STREAMS: dict = {}
+
+
+def _warmup_stream(dev):
+    """One warm-up stream per device for every capture: cuBLAS keeps a workspace (32 MiB on
+    Hopper) for each stream it has run on, so a new stream per capture would leak one each."""
+    key = torch.device(dev).index if torch.device(dev).index is not None else torch.cuda.current_device()
+    if key not in _WARMUP_STREAMS:
+        _WARMUP_STREAMS[key] = torch.cuda.Stream(dev)
+    return _WARMUP_STREAMS[key]
+
+
 class _StaticStep:
     """One decode step for a fixed batch size, reading and writing only static buffers."""
 
@@ -90,7 +102,7 @@ class _StaticStep:
             self.graph.capture(self._run)
             return
         # Warm up on a side stream (Triton compiles, cuBLAS picks its kernels), then capture.
-        stream = torch.cuda.Stream(dev)
+        stream = _warmup_stream(dev)
         stream.wait_stream(torch.cuda.current_stream(dev))
         with torch.cuda.stream(stream):
             for _ in range(2):
