@@ -7,6 +7,7 @@ import os
 import shlex
 import signal
 import sys
+import threading
 
 import click
 
@@ -18,7 +19,8 @@ def _friendly(fn):
     SIGTERM (a scheduler's, `timeout`'s) stops like Ctrl-C, so temporary files are removed."""
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
-        signal.signal(signal.SIGTERM, _raise_keyboard_interrupt)
+        if threading.current_thread() is threading.main_thread():   # signal handlers live there only
+            signal.signal(signal.SIGTERM, _raise_keyboard_interrupt)
         try:
             return fn(*args, **kwargs)
         except GlaswapError as e:
