@@ -31,6 +31,7 @@ from safetensors.torch import save_file
 
 from glaswap.errors import GlaswapError
 from glaswap.runtime import write_error
+from glaswap.sources import readable_by_all
 
 SAFE_INDEX = "model.safetensors.index.json"
 BIN_INDEX = "pytorch_model.bin.index.json"
@@ -260,6 +261,7 @@ def _new_temp(out: Path) -> tuple[int, Path]:
     fd, first = tempfile.mkstemp(prefix=f".{out.name}.lock-", dir=out.parent)
     fcntl.flock(fd, fcntl.LOCK_EX)
     folder = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    readable_by_all(folder)   # it becomes OUT
     os.rename(first, folder.with_name(folder.name + ".lock"))
     return fd, folder
 

