@@ -22,7 +22,6 @@ import time
 import zipfile
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 from click.testing import CliRunner
