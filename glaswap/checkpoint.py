@@ -4,13 +4,19 @@
 - `ShardWriter`: safetensors output shards of bounded size plus the index, written as the
   tensors arrive.
 - `output_folder(out, force)`: a temporary folder renamed onto OUT only when everything is
-  written, so a failure never leaves a half-written OUT.
+  written, so a failure never leaves a half-written OUT; `check_out_path` refuses an OUT
+  whose writing or replacement would touch what the user did not ask to replace.
+- `exclusive_lock(path)`: one process at a time (a distillation's run folder).
 - `write_model_code(folder)`: the modeling files a saved model needs, with glaswap's imports
   made relative so the folder loads with `trust_remote_code=True` and no glaswap installed.
 """
 
 from __future__ import annotations
 
+import ctypes
+import errno
+import fcntl
+import glob
 import json
 import os
 import re
@@ -24,6 +30,8 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from glaswap.errors import GlaswapError
+from glaswap.runtime import write_error
+from glaswap.sources import readable_by_all
 
 SAFE_INDEX = "model.safetensors.index.json"
 BIN_INDEX = "pytorch_model.bin.index.json"
@@ -166,28 +174,153 @@ class ShardWriter:
         return names
 
 
+def check_out_path(out, sources: list[tuple[str, object]] = ()):
+    """Refuse an OUT that writing or replacing (--force) would turn against the user's files:
+    the current folder, the home folder, / (or a folder holding one of them), a folder inside
+    a source, or one holding a source. `sources` are (what, path) pairs; paths that do not
+    exist (hub ids, embedded names) are skipped."""
+    target = Path(out).expanduser().resolve()
+    for place, name in ((Path.cwd(), "the current folder"), (Path.home(), "your home folder"),
+                        (Path("/"), "the file system root")):
+        if place.resolve().is_relative_to(target):
+            raise GlaswapError(f"OUT {out} is or holds {name}; glaswap writes OUT as a new folder "
+                               f"(and --force replaces it), choose a new folder")
+    for what, path in sources:
+        if path is None or not Path(path).expanduser().exists():
+            continue
+        src = Path(path).expanduser().resolve()
+        if src.is_relative_to(target):
+            raise GlaswapError(f"{what} {path} is inside OUT {out}; replacing OUT would delete it, "
+                               f"choose an OUT outside it")
+        if target.is_relative_to(src):
+            raise GlaswapError(f"OUT {out} is inside {what} {path}; glaswap never writes into its inputs, "
+                               f"choose an OUT outside it")
+
+
+@contextmanager
+def exclusive_lock(path: Path, busy: str):
+    """Hold an exclusive flock on `path` for the block's life; GlaswapError(busy) at once when
+    another process holds it. The kernel releases the lock of a killed process."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    while True:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            raise GlaswapError(busy)
+        # The holder before us removes the file as it ends: lock the file that is there now.
+        try:
+            same = os.stat(path).st_ino == os.fstat(fd).st_ino
+        except FileNotFoundError:
+            same = False
+        if same:
+            break
+        os.close(fd)
+    try:
+        yield
+    finally:
+        path.unlink(missing_ok=True)   # before unlocking, so no one takes a lock on a file about to go
+        os.close(fd)
+
+
+def _held(lock: Path) -> bool:
+    """Whether a live process holds the flock on `lock`."""
+    try:
+        fd = os.open(lock, os.O_RDWR)
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return False
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)
+
+
+def _clean_stale_temps(out: Path):
+    """Remove the temporary folders of earlier writers of OUT that were killed: a live writer
+    holds the lock file beside its folder, so a folder without a held lock is stale."""
+    name = glob.escape(out.name)
+    for lock in out.parent.glob(f".{name}.tmp-*.lock"):
+        if not _held(lock):
+            folder = lock.with_suffix("")
+            shutil.rmtree(folder, ignore_errors=True)
+            shutil.rmtree(folder.with_name(folder.name + ".old"), ignore_errors=True)
+            lock.unlink(missing_ok=True)
+    for folder in out.parent.glob(f".{name}.tmp-*"):
+        live = folder.with_name(folder.name.removesuffix(".old") + ".lock")
+        if folder.is_dir() and not live.exists():
+            shutil.rmtree(folder, ignore_errors=True)
+
+
+def _new_temp(out: Path) -> tuple[int, Path]:
+    """(locked fd, folder): a fresh temporary folder beside OUT and the lock that marks it live.
+    The lock file is locked under a name the cleaner ignores, then renamed into place."""
+    fd, first = tempfile.mkstemp(prefix=f".{out.name}.lock-", dir=out.parent)
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    folder = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    readable_by_all(folder)   # it becomes OUT
+    os.rename(first, folder.with_name(folder.name + ".lock"))
+    return fd, folder
+
+
+def rename_noreplace(src: Path, dst: Path):
+    """Rename `src` to `dst`; FileExistsError when `dst` exists, even as an empty folder (which
+    a plain rename would replace). renameat2 makes the check and the rename one step."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    renameat2 = getattr(libc, "renameat2", None)
+    if renameat2 is not None:
+        at_fdcwd, rename_noreplace_flag = -100, 1
+        if renameat2(at_fdcwd, os.fsencode(src), at_fdcwd, os.fsencode(dst), rename_noreplace_flag) == 0:
+            return
+        code = ctypes.get_errno()
+        if code not in (errno.ENOSYS, errno.EINVAL):   # EINVAL: a file system without the flag
+            raise OSError(code, os.strerror(code), str(dst))
+    if os.path.lexists(dst):
+        raise FileExistsError(errno.EEXIST, os.strerror(errno.EEXIST), str(dst))
+    os.rename(src, dst)
+
+
 @contextmanager
 def output_folder(out: Path, force: bool = False):
-    """Yield a temporary folder beside OUT; on success it replaces OUT, on failure it vanishes."""
+    """Yield a temporary folder beside OUT; on success it becomes OUT, on failure it vanishes.
+    Without `force` an OUT that appeared in the meantime is left as it is (and refused)."""
     out = Path(out)
     if out.exists() and not force:
         raise GlaswapError(f"{out} already exists; choose another output folder or pass --force to replace it")
     if out.exists() and not out.is_dir():
         raise GlaswapError(f"{out} exists and is not a folder; choose another output path")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        _clean_stale_temps(out)
+        lock, tmp = _new_temp(out)
+    except OSError as e:
+        raise write_error(e, out) or e
+    lock_file = tmp.with_name(tmp.name + ".lock")
     try:
         yield tmp
-    except BaseException:
+        if force and out.exists():
+            trash = tmp.with_name(tmp.name + ".old")
+            os.replace(out, trash)
+            os.replace(tmp, out)
+            shutil.rmtree(trash, ignore_errors=True)
+        else:
+            try:
+                rename_noreplace(tmp, out)
+            except FileExistsError:
+                raise GlaswapError(f"{out} appeared while glaswap was writing it and was left as it is; "
+                                   f"move it away and run again, or pass --force to replace it")
+    except BaseException as e:
         shutil.rmtree(tmp, ignore_errors=True)
+        err = write_error(e, out) if isinstance(e, Exception) else None
+        if err is not None:
+            raise err from e
         raise
-    if out.exists():
-        trash = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.parent))
-        os.replace(out, trash / out.name)
-        os.replace(tmp, out)
-        shutil.rmtree(trash, ignore_errors=True)
-    else:
-        os.replace(tmp, out)
+    finally:
+        lock_file.unlink(missing_ok=True)
+        os.close(lock)
 
 
 # --------------------------------------------------------------------------- model code

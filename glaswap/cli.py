@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import functools
 import os
+import shlex
 import signal
 import sys
+import threading
 
 import click
 
@@ -13,9 +15,12 @@ from glaswap.errors import GlaswapError
 
 
 def _friendly(fn):
-    """Turn GlaswapError (and a few common OS errors) into a one-line message and exit 1."""
+    """Turn GlaswapError (and a few common OS errors) into a one-line message and exit 1; a
+    SIGTERM (a scheduler's, `timeout`'s) stops like Ctrl-C, so temporary files are removed."""
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
+        if threading.current_thread() is threading.main_thread():   # signal handlers live there only
+            signal.signal(signal.SIGTERM, _raise_keyboard_interrupt)
         try:
             return fn(*args, **kwargs)
         except GlaswapError as e:
@@ -55,6 +60,10 @@ def main():
     hf_logging.set_verbosity_error()
 
 
+_TRUST_HELP = ("Run Python code that a model or tokenizer folder ships (auto_map). Only for folders whose code "
+               "you trust; glaswap's own model code never needs it.")
+
+
 @main.command()
 @click.argument("source")
 @click.argument("out", type=click.Path(file_okay=False))
@@ -79,16 +88,17 @@ def main():
 @click.option("--report/--no-report", default=True, show_default=True,
               help="Teacher vs converted perplexity on sample text at the end.")
 @click.option("--force", is_flag=True, help="Replace OUT if it exists.")
+@click.option("--trust-remote-code", is_flag=True, help=_TRUST_HELP)
 @_friendly
 def convert(source, out, gate, gate_rank, gate_init_decay, feature_map, normalizer, rope, state_heads, dtype,
-            max_shard_size, seed, report, force):
+            max_shard_size, seed, report, force, trust_remote_code):
     """Convert SOURCE (a model folder, a .gguf file, a hub id, or smollm2-135m) into a GLA model in OUT."""
     from glaswap.convert import convert as run
 
     options = {"gate": gate, "gate_rank": gate_rank, "gate_init_decay": gate_init_decay,
                "feature_map": feature_map, "normalizer": normalizer, "use_rope": rope, "state_heads": state_heads}
     run(source, out, options=options, force=force, dtype=dtype, max_shard_size=max_shard_size, report=report,
-        seed=seed, log=click.echo)
+        seed=seed, trust_remote_code=trust_remote_code, log=click.echo)
 
 
 @main.command(context_settings={"ignore_unknown_options": False})
@@ -100,8 +110,9 @@ def convert(source, out, gate, gate_rank, gate_init_decay, feature_map, normaliz
 @click.option("--force", is_flag=True, help="Replace an existing output folder and unfinished run.")
 @click.option("--stop-after", metavar="STAGE:STEP", default=None,
               help="Stop like Ctrl-C after that step (checkpoint written), e.g. 1:50; resume later.")
+@click.option("--trust-remote-code", is_flag=True, help=_TRUST_HELP)
 @_friendly
-def distill(recipe_path, overrides, out, resume, force, stop_after):
+def distill(recipe_path, overrides, out, resume, force, stop_after, trust_remote_code):
     """Distil a converted model from its teacher, as a recipe says.
 
     OVERRIDES are key.sub=value pairs, e.g. stage2.lr=1e-4 data.seq_len=1024.
@@ -110,8 +121,6 @@ def distill(recipe_path, overrides, out, resume, force, stop_after):
     from glaswap.distill.loop import Interrupted
 
     recipe = load_recipe(recipe_path, overrides)
-    # A scheduler's or timeout's SIGTERM checkpoints and stops like Ctrl-C.
-    signal.signal(signal.SIGTERM, _raise_keyboard_interrupt)
     stop = None
     if stop_after:
         try:
@@ -120,10 +129,12 @@ def distill(recipe_path, overrides, out, resume, force, stop_after):
         except ValueError:
             raise GlaswapError(f"--stop-after {stop_after!r}: write STAGE:STEP, e.g. 1:50")
     try:
-        run(recipe, out=out, resume=resume, force=force, log=click.echo, stop_after=stop)
+        run(recipe, out=out, resume=resume, force=force, log=click.echo, stop_after=stop,
+            trust_remote_code=trust_remote_code)
     except Interrupted as e:
-        click.echo(f"{e}; checkpoint saved. Continue with: glaswap distill --recipe {recipe_path} "
-                   f"{' '.join(overrides)} --resume".replace("  ", " "), err=True)
+        again = ["glaswap", "distill", "--recipe", recipe_path, *overrides, *(["--out", out] if out else []),
+                 *(["--trust-remote-code"] if trust_remote_code else []), "--resume"]
+        click.echo(f"{e}; checkpoint saved. Continue with: {shlex.join(again)}", err=True)
         _end_torchrun_worker(130)
         sys.exit(130)
     _end_torchrun_worker(0)
@@ -149,14 +160,17 @@ def distill(recipe_path, overrides, out, resume, force, stop_after):
 @click.option("--device", default="auto", show_default=True, help="auto, cpu or cuda.")
 @click.option("--dtype", type=click.Choice(["auto", "float32", "bfloat16", "float16"]), default="auto",
               show_default=True, help="auto: bfloat16 on CUDA, float32 on CPU.")
+@click.option("--trust-remote-code", is_flag=True, help=_TRUST_HELP)
 @_friendly
-def eval_(model, more_texts, texts, teacher, context, stride, max_tokens, batch_size, out, device, dtype):
+def eval_(model, more_texts, texts, teacher, context, stride, max_tokens, batch_size, out, device, dtype,
+          trust_remote_code):
     """Perplexity and bits per byte of MODEL and its teacher on identical windows of text files,
     plus MODEL reading each file in one pass with its recurrent state (the "stateful" column)."""
     from glaswap.evaluate import evaluate
 
     evaluate(model, list(texts) + list(more_texts), teacher=teacher, context=context, stride=stride,
-             max_tokens=max_tokens, batch_size=batch_size, out=out, device=device, dtype=dtype, log=click.echo)
+             max_tokens=max_tokens, batch_size=batch_size, out=out, device=device, dtype=dtype,
+             trust_remote_code=trust_remote_code, log=click.echo)
 
 
 @main.command()
@@ -179,9 +193,10 @@ def eval_(model, more_texts, texts, teacher, context, stride, max_tokens, batch_
               help="Teacher for --bench: auto (the source in glaswap.json), a folder / .gguf, or none.")
 @click.option("--out", type=click.Path(file_okay=False), default=None,
               help="Folder for --bench's JSON and PNG (default: MODEL/eval).")
+@click.option("--trust-remote-code", is_flag=True, help=_TRUST_HELP)
 @_friendly
 def generate(model, prompt, max_new_tokens, temperature, seed, graph, device, bench, contexts, batch_size,
-             new_tokens, teacher, out):
+             new_tokens, teacher, out, trust_remote_code):
     """Continue a prompt with MODEL (streamed), or with --bench compare its decode speed and memory
     with the teacher's."""
     from glaswap.generate import bench_model, generate_text, parse_contexts
@@ -189,12 +204,12 @@ def generate(model, prompt, max_new_tokens, temperature, seed, graph, device, be
     if bench:
         bench_model(model, teacher=teacher, contexts=parse_contexts(contexts) if contexts else None,
                     batch_size=batch_size, new_tokens=new_tokens, graph=graph, device=device, out=out,
-                    log=click.echo)
+                    trust_remote_code=trust_remote_code, log=click.echo)
         return
     if prompt is None:
         raise click.UsageError("pass --prompt TEXT (or --bench)")
     res = generate_text(model, prompt, max_new_tokens=max_new_tokens, temperature=temperature, seed=seed,
-                        device=device, graph=graph, log=click.echo)
+                        device=device, graph=graph, trust_remote_code=trust_remote_code, log=click.echo)
     click.echo(f"\n[{res['new_tokens']} tokens in {res['seconds']:.1f} s, {res['tokens_per_second']:.1f} tokens/s"
                f"{', CUDA graph' if res['cuda_graph'] else ''}]", err=True)
 

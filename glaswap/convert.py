@@ -15,8 +15,8 @@ from pathlib import Path
 
 import torch
 
-from glaswap.checkpoint import AUTO_MAP, FolderTensors, GGUFTensors, ShardWriter, output_folder, parse_size, \
-    write_model_code
+from glaswap.checkpoint import AUTO_MAP, FolderTensors, GGUFTensors, ShardWriter, check_out_path, output_folder, \
+    parse_size, write_model_code
 from glaswap.errors import GlaswapError
 from glaswap.layers.gla_attention import GLAAttention
 from glaswap.models.configuration_glaswap import GLASwapConfig, check_gla_options
@@ -83,15 +83,29 @@ def new_layer_tensors(config: GLASwapConfig, layer_idx: int, seed: int) -> dict[
     return {prefix + n: p.detach() for n, p in layer.named_parameters() if n in layer.new_parameter_names()}
 
 
-def expected_keys(config: GLASwapConfig) -> tuple[set[str], set[str]]:
-    """(teacher tensors the model needs, tensors conversion adds), from a model on the meta device."""
+def expected_keys(config: GLASwapConfig) -> tuple[dict[str, torch.Size], set[str]]:
+    """(shape of each teacher tensor the model needs, tensors conversion adds), from a model on
+    the meta device."""
     with torch.device("meta"):
         model = GLASwapForCausalLM(config)
-    keys = set(model.state_dict())
+    shapes = {name: t.shape for name, t in model.state_dict().items()}
     if config.tie_word_embeddings:
-        keys.discard("lm_head.weight")
+        shapes.pop("lm_head.weight", None)
     new = set(model.new_parameter_names())
-    return keys - new, new
+    return {k: v for k, v in shapes.items() if k not in new}, new
+
+
+def _config_from(src_config: dict, options: dict, source: str) -> GLASwapConfig:
+    """glaswap_config, with a one-line error for a config.json that lacks a setting or holds
+    one of the wrong type."""
+    try:
+        return glaswap_config(src_config, options)
+    except KeyError as e:
+        raise GlaswapError(f"the config.json of {source} has no {e.args[0]!r}; restore it from the original "
+                           f"checkpoint")
+    except (TypeError, ValueError, ZeroDivisionError) as e:
+        raise GlaswapError(f"the config.json of {source} holds a value glaswap cannot use ({e}); restore it "
+                           f"from the original checkpoint")
 
 
 def _out_dtype(requested: str, src: Source, src_config: dict):
@@ -104,9 +118,12 @@ def _out_dtype(requested: str, src: Source, src_config: dict):
 
 
 def convert(source: str, out, *, options: dict | None = None, force: bool = False, dtype: str = "auto",
-            max_shard_size="2GB", report: bool = True, seed: int = 0, log=print) -> dict:
-    """Convert SOURCE into a GLA model folder OUT; returns what was written to glaswap.json."""
+            max_shard_size="2GB", report: bool = True, seed: int = 0, trust_remote_code: bool = False,
+            log=print) -> dict:
+    """Convert SOURCE into a GLA model folder OUT; returns what was written to glaswap.json.
+    trust_remote_code: let the step-0 report run Python code that the tokenizer ships."""
     out = Path(out)
+    check_out_path(out)
     options = dict(options or {})
     try:
         check_gla_options(options)
@@ -116,13 +133,12 @@ def convert(source: str, out, *, options: dict | None = None, force: bool = Fals
         raise GlaswapError(f"{out} already exists; choose another output folder or pass --force to replace it")
     max_bytes = parse_size(max_shard_size)
     src = resolve_source(source)
-    if src.kind == "folder" and out.resolve() == src.path.resolve():
-        raise GlaswapError("OUT is the source folder; glaswap never modifies the source, choose another folder")
+    check_out_path(out, [("SOURCE", src.path)])
 
     started = time.time()
     tensors = GGUFTensors(src.path) if src.kind == "gguf" else FolderTensors(src.path)
     src_config = tensors.config if src.kind == "gguf" else src.config
-    config = glaswap_config(src_config, options)
+    config = _config_from(src_config, options, src.spec)
     out_dtype = _out_dtype(dtype, src, src_config)
     needed, new = expected_keys(config)
     log(f"converting {src.spec} ({config.source_model_type}, {config.num_hidden_layers} layers, "
@@ -137,10 +153,14 @@ def convert(source: str, out, *, options: dict | None = None, force: bool = Fals
             if name not in needed:
                 raise GlaswapError(f"the source has a tensor glaswap does not expect ({name}); this "
                                    f"{config.source_model_type} variant is not supported")
+            if tensor.shape != needed[name]:
+                raise GlaswapError(f"the source's {name} has shape {list(tensor.shape)} but its config.json "
+                                   f"implies {list(needed[name])}; the weights and config.json do not belong "
+                                   f"together")
             writer.add(name, tensor.to(out_dtype) if out_dtype is not None else tensor)
             seen.add(name)
             stored_dtype = stored_dtype or tensor.dtype
-        missing = sorted(needed - seen)
+        missing = sorted(set(needed) - seen)
         if missing:
             raise GlaswapError(f"the source checkpoint lacks {missing[0]} ({len(missing)} tensors missing); "
                                f"download the complete checkpoint")
@@ -169,7 +189,7 @@ def convert(source: str, out, *, options: dict | None = None, force: bool = Fals
             "convert_seconds": round(time.time() - started, 1),
         }
         if report:
-            meta["step0"] = _step0_report(tmp, config, log)
+            meta["step0"] = _step0_report(tmp, config, log, trust_remote_code)
         (tmp / "glaswap.json").write_text(json.dumps(meta, indent=2) + "\n")
     log(f"wrote {out} ({len(shards)} weight file{'s' if len(shards) > 1 else ''}, "
         f"{writer.total_bytes / 2**20:.0f} MiB) in {time.time() - started:.0f} s")
@@ -192,8 +212,8 @@ def _write_tokenizer(src: Source, folder: Path):
     tok.save_pretrained(str(folder))
 
 
-def _step0_report(folder: Path, config: GLASwapConfig, log) -> dict:
+def _step0_report(folder: Path, config: GLASwapConfig, log, trust_remote_code: bool) -> dict:
     """Teacher and converted perplexity (and KL) on a few sample sequences."""
     from glaswap.report import step0_report
 
-    return step0_report(folder, config, log)
+    return step0_report(folder, config, log, trust_remote_code)

@@ -213,13 +213,14 @@ def _by_position(docs, context) -> dict:
 # --------------------------------------------------------------------------- entry point
 def evaluate(model_dir, texts, teacher: str = "auto", context: int = 512, stride: int | None = None,
              max_tokens: int | None = None, batch_size: int = 1, out=None, device: str = "auto",
-             dtype: str = "auto", progress: bool = True, log=print) -> dict:
+             dtype: str = "auto", progress: bool = True, trust_remote_code: bool = False, log=print) -> dict:
     """Evaluate a glaswap model against its teacher on text files; returns every figure.
 
     teacher: "auto" (the source recorded in glaswap.json), "self" (the model's own softmax
     attention: the teacher before distillation, no second model loaded) or a path to a
     Hugging Face folder or .gguf file. max_tokens: use at most this many tokens of each file.
     Writes a JSON file and a PNG of the loss by position to `out` (default MODEL/eval).
+    trust_remote_code: run Python code that the tokenizer's or the teacher's folder ships.
     """
     from tqdm.auto import tqdm
 
@@ -242,14 +243,14 @@ def evaluate(model_dir, texts, teacher: str = "auto", context: int = 512, stride
     dt = pick_dtype(dtype, dev)
 
     started = time.time()
-    tok = load_tokenizer(model_dir)
+    tok = load_tokenizer(model_dir, trust_remote_code)
     docs = [Document(p, text, tok, max_tokens, context, stride) for p, text in contents]
     student = load_student(model_dir, dev, dt)
     student.set_attention_mode("gla")
     teacher_model = None
     if t_kind != "self":
         log(f"loading teacher {t_desc.get('spec', t_path)}")
-        teacher_model = load_teacher(t_kind, t_path, dev, dt)
+        teacher_model = load_teacher(t_kind, t_path, dev, dt, trust_remote_code)
         if teacher_model.config.vocab_size != student.config.vocab_size:
             raise GlaswapError(f"the teacher's vocabulary ({teacher_model.config.vocab_size}) differs from the "
                                f"model's ({student.config.vocab_size}); pass the model it was converted from")

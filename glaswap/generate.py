@@ -214,8 +214,10 @@ def want_graph(graph: str, device: torch.device) -> bool:
 
 # --------------------------------------------------------------------------- text generation
 def generate_text(model_dir, prompt: str, max_new_tokens: int = 128, temperature: float = 0.0, seed: int = 0,
-                  device: str = "auto", graph: str = "auto", stream: bool = True, log=print) -> dict:
-    """Generate from a prompt with the recurrent-state cache, streaming the text to stdout."""
+                  device: str = "auto", graph: str = "auto", stream: bool = True, trust_remote_code: bool = False,
+                  log=print) -> dict:
+    """Generate from a prompt with the recurrent-state cache, streaming the text to stdout.
+    trust_remote_code: run Python code that the tokenizer's folder ships."""
     from transformers import GenerationConfig, TextStreamer
 
     if not prompt or not prompt.strip():
@@ -227,7 +229,7 @@ def generate_text(model_dir, prompt: str, max_new_tokens: int = 128, temperature
     check_model_folder(model_dir)
     dev = pick_device(device)
     use_graph = want_graph(graph, dev)
-    tok = load_tokenizer(model_dir)
+    tok = load_tokenizer(model_dir, trust_remote_code)
     model = load_student(model_dir, dev, pick_dtype("auto", dev))
     runner = enable_decode_graph(model) if use_graph else None
     ids = tok(prompt, return_tensors="pt").to(dev)
@@ -471,8 +473,10 @@ def write_bench(rows, out: Path, title: str, extra: dict | None = None) -> dict:
 
 
 def bench_model(model_dir, teacher: str = "auto", contexts=None, batch_size: int = 1, new_tokens: int = 32,
-                graph: str = "auto", device: str = "auto", dtype: str = "auto", out=None, log=print) -> dict:
-    """`glaswap generate --bench`: the model folder against its teacher (or --teacher PATH / none)."""
+                graph: str = "auto", device: str = "auto", dtype: str = "auto", out=None,
+                trust_remote_code: bool = False, log=print) -> dict:
+    """`glaswap generate --bench`: the model folder against its teacher (or --teacher PATH / none).
+    trust_remote_code: run Python code that the teacher's folder ships."""
     meta = check_model_folder(model_dir)
     dev = pick_device(device)
     if contexts is None:
@@ -487,7 +491,7 @@ def bench_model(model_dir, teacher: str = "auto", contexts=None, batch_size: int
         if kind == "self":
             raise GlaswapError("--teacher self has no KV cache to benchmark; pass auto, a PATH or none")
         log(f"loading teacher {t_desc.get('spec', path)}")
-        teacher_model = load_teacher(kind, path, dev, dtype)
+        teacher_model = load_teacher(kind, path, dev, dtype, trust_remote_code)
     log(f"decode benchmark on {dev} ({str(dtype).replace('torch.', '')}), batch {batch_size}, "
         f"{new_tokens} timed steps per context")
     rows = bench_decode(student, teacher_model, contexts, batch_size, new_tokens, graph, log=log)

@@ -10,7 +10,7 @@ import math
 
 import torch
 
-from glaswap.runtime import pick_device, pick_dtype
+from glaswap.runtime import pick_device, pick_dtype, tokenizer_from
 from glaswap.sample_text import SAMPLE_TEXT
 from glaswap.scoring import token_kl, token_nll
 
@@ -56,9 +56,7 @@ def sample_ids(tokenizer, vocab_size, n_seq=4, seq_len=256, seed=0):
     return torch.randint(0, vocab_size, (n_seq, seq_len), generator=gen), "random tokens (no tokenizer)"
 
 
-def step0_report(folder, config, log=print) -> dict:
-    from transformers import AutoTokenizer
-
+def step0_report(folder, config, log=print, trust_remote_code: bool = False) -> dict:
     from glaswap.models.modeling_glaswap import GLASwapForCausalLM
 
     device = pick_device("auto")
@@ -69,7 +67,7 @@ def step0_report(folder, config, log=print) -> dict:
         return {"skipped": "model larger than available memory"}
     model = GLASwapForCausalLM.from_pretrained(str(folder), dtype=dtype).to(device).eval()
     try:
-        tok = AutoTokenizer.from_pretrained(str(folder), trust_remote_code=True)
+        tok = tokenizer_from(folder, trust_remote_code)
     except Exception:
         tok = None
     ids, what = sample_ids(tok, config.vocab_size)

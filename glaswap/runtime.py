@@ -3,6 +3,7 @@ tokenizer, writing a file atomically, and the versions recorded beside every res
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import platform
@@ -60,6 +61,9 @@ def check_model_folder(model_dir) -> dict:
                            f"by glaswap convert or distill")
     except (OSError, ValueError) as e:
         raise GlaswapError(f"{path} is not a readable glaswap model ({type(e).__name__}: {e}); convert it again")
+    if not isinstance(cfg, dict) or not isinstance(meta, dict):
+        raise GlaswapError(f"{path} is not a glaswap model (config.json or glaswap.json is not a JSON object); "
+                           f"convert it again")
     if cfg.get("model_type") != "glaswap":
         raise GlaswapError(f"{path} is not a glaswap model (config.json model_type is "
                            f"{cfg.get('model_type')!r}); convert it first with glaswap convert")
@@ -74,17 +78,44 @@ def load_student(model_dir, device, dtype):
     except Exception as e:
         first = str(e).splitlines()[0] if str(e) else ""
         raise GlaswapError(f"{model_dir} could not be loaded ({type(e).__name__}: {first}); convert it again")
+    check_finite_weights(model, model_dir)
     return model.to(device).eval()
 
 
-def load_tokenizer(model_dir):
+def check_finite_weights(model, where):
+    """One line naming the first parameter holding NaN or infinity (a diverged training run)."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.is_floating_point() and not torch.isfinite(p).all():
+                raise GlaswapError(f"{where} has non-finite weights ({name} holds NaN or infinity); it cannot be "
+                                   f"used: distil it again with a lower learning rate")
+
+
+def remote_code_in(folder) -> str | None:
+    """The file that names Python code of `folder`'s own for its tokenizer, or None."""
+    cfg_file = Path(folder) / "tokenizer_config.json"
+    try:
+        cfg = json.loads(cfg_file.read_text())
+    except (OSError, ValueError):
+        return None
+    return cfg_file.name if isinstance(cfg, dict) and cfg.get("auto_map") else None
+
+
+def tokenizer_from(folder, trust_remote_code: bool = False, **kwargs):
+    """AutoTokenizer of `folder`. Python code shipped in the folder runs only with
+    trust_remote_code (the user's --trust-remote-code): a model folder is data."""
     from transformers import AutoTokenizer
 
+    return AutoTokenizer.from_pretrained(str(folder), trust_remote_code=trust_remote_code, **kwargs)
+
+
+def load_tokenizer(model_dir, trust_remote_code: bool = False):
     try:
-        # trust_remote_code only silences the question transformers asks because config.json
-        # maps the model classes to the folder's code; no tokenizer code is taken from it.
-        tok = AutoTokenizer.from_pretrained(str(model_dir), trust_remote_code=True)
+        tok = tokenizer_from(model_dir, trust_remote_code)
     except Exception as e:
+        if not trust_remote_code and remote_code_in(model_dir):
+            raise GlaswapError(f"the tokenizer of {model_dir} needs Python code of its own (auto_map in "
+                               f"tokenizer_config.json); pass --trust-remote-code if you trust that code")
         raise GlaswapError(f"{model_dir} has no usable tokenizer ({type(e).__name__}); copy the tokenizer files "
                            f"of the source model into it")
     tok.model_max_length = 1 << 60  # whole documents are tokenised at once; windows come later
@@ -93,19 +124,25 @@ def load_tokenizer(model_dir):
 
 def teacher_source(model_dir, meta: dict, teacher: str):
     """(kind, path, description) of the teacher: "self", or a folder / .gguf to load."""
-    from glaswap.sources import resolve_source
+    from glaswap.sources import EMBEDDED, resolve_source
 
     if teacher == "self":
         return "self", None, {"spec": "self", "kind": "self",
                               "note": "the model's own softmax attention (the teacher before distillation)"}
     if teacher == "auto":
         recorded = meta.get("source") or {}
-        path = Path(recorded.get("path", ""))
-        if recorded.get("path") and path.exists():
-            kind = "gguf" if path.is_file() else "folder"
-            return kind, path, dict(recorded)
         if not recorded.get("spec"):
             raise GlaswapError(f"{model_dir}/glaswap.json records no source model; pass --teacher PATH "
+                               f"or --teacher self")
+        path = Path(recorded.get("path") or "")
+        # Only an absolute path says which files were converted: a relative one depends on
+        # where convert ran, and could name anything from here.
+        if path.is_absolute() and path.exists():
+            kind = "gguf" if path.is_file() else "folder"
+            return kind, path, dict(recorded)
+        if recorded["spec"] not in EMBEDDED and recorded.get("origin") != "hub":
+            where = f"{path}, which no longer exists" if path.is_absolute() else f"as the relative path {path}"
+            raise GlaswapError(f"glaswap.json records the source model {where}; pass --teacher PATH "
                                f"or --teacher self")
         try:
             src = resolve_source(recorded["spec"])
@@ -120,22 +157,56 @@ def teacher_source(model_dir, meta: dict, teacher: str):
     return src.kind, src.path, src.describe()
 
 
-def load_teacher(kind, path, device, dtype):
+def load_teacher(kind, path, device, dtype, trust_remote_code: bool = False):
+    """The teacher model. Code shipped in its folder runs only with trust_remote_code."""
     from transformers import AutoModelForCausalLM
 
     try:
         if kind == "gguf":
             model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=dtype)
         else:
-            model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype)
+            model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype, trust_remote_code=trust_remote_code)
     except Exception as e:
+        if kind != "gguf" and not trust_remote_code and _config_has_auto_map(path):
+            raise GlaswapError(f"the teacher {path} needs Python code of its own (auto_map in config.json); "
+                               f"pass --trust-remote-code if you trust that code")
         first = str(e).splitlines()[0] if str(e) else ""
         raise GlaswapError(f"the teacher {path} could not be loaded ({type(e).__name__}: {first}); pass "
                            f"--teacher PATH to another copy or --teacher self")
     return model.to(device).eval()
 
 
+def _config_has_auto_map(folder) -> bool:
+    try:
+        cfg = json.loads((Path(folder) / "config.json").read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(cfg, dict) and bool(cfg.get("auto_map"))
+
+
 # --------------------------------------------------------------------------- writing
+WRITE_ERRORS = {errno.ENOSPC: "the disk is full", errno.EDQUOT: "the disk quota is used up",
+                errno.EROFS: "the file system is read-only", errno.EACCES: "permission denied",
+                errno.EPERM: "permission denied"}
+
+
+def write_error(e: BaseException, out) -> GlaswapError | None:
+    """A one-line error for an OSError (or a library's error wrapping one) that means OUT
+    cannot be written: no space, a read-only file system, no permission. None otherwise."""
+    code = getattr(e, "errno", None)
+    if code in (errno.EACCES, errno.EPERM) and getattr(e, "filename", None):
+        # a file we could not read (a source) is not a problem of OUT's
+        failed, target = Path(e.filename).resolve(), Path(out).resolve()
+        if not (target.is_relative_to(failed) or failed.is_relative_to(target.parent)):
+            return None
+    if code not in WRITE_ERRORS:
+        text = str(e)  # safetensors and torch wrap the OS error in their own exception
+        code = next((c for c in (errno.ENOSPC, errno.EDQUOT) if f"os error {c})" in text), None)
+    if code is None:
+        return None
+    return GlaswapError(f"cannot write {out} ({WRITE_ERRORS[code]}); free some space or choose a writable folder")
+
+
 def atomic_write(path: Path, write):
     """write(tmp_path) then rename onto path, so a reader never sees half a file."""
     path.parent.mkdir(parents=True, exist_ok=True)

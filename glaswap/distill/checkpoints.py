@@ -3,7 +3,8 @@ each stage (checkpoints/stage{1,2}, written atomically) and metrics.jsonl, cut b
 checkpoint on resume.
 
 A checkpoint holds full (unsharded) float32 tensors keyed by parameter name, whatever the
-process layout that wrote it (see glaswap/distill/parallel.py).
+process layout that wrote it (see glaswap/distill/parallel.py). Every file is safetensors or
+JSON: loading a checkpoint runs no code, whoever wrote it.
 """
 
 from __future__ import annotations
@@ -14,9 +15,12 @@ import shutil
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 
 from glaswap.errors import GlaswapError
+
+OPTIMIZER_TENSORS = "optimizer.safetensors"   # optimizer state tensors and the CPU random state
+OPTIMIZER_JSON = "optimizer.json"             # the rest: parameter groups, other state, schedule
 
 
 class Metrics:
@@ -69,8 +73,7 @@ def save_checkpoint(run: Path, stage: int, step: int, model, trainable: set[str]
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     save_file(state, str(tmp / "trainable.safetensors"))
-    torch.save({"optimizer": optim_state, "scheduler": scheduler.state_dict(),
-                "rng": torch.get_rng_state()}, tmp / "optimizer.pt")
+    _save_optimizer(tmp, optim_state, scheduler.state_dict(), torch.get_rng_state())
     (tmp / "state.json").write_text(json.dumps({"stage": stage, "step": step}))
     if final.exists():
         old = final.with_name(final.name + ".old")
@@ -94,9 +97,48 @@ def latest_checkpoint(run: Path):
     return best
 
 
+def _save_optimizer(folder: Path, optim_state: dict, schedule: dict, rng: torch.Tensor):
+    """Tensors of the optimizer state (keyed "state/<parameter>/<key>") and the random state
+    into safetensors; everything else, plain numbers and lists, into JSON."""
+    tensors, other = {"rng": rng}, {}
+    for name, st in optim_state["state"].items():
+        for key, value in st.items():
+            if torch.is_tensor(value):
+                tensors[f"state/{name}/{key}"] = value.detach().cpu().contiguous()
+            else:
+                other.setdefault(name, {})[key] = value
+    save_file(tensors, str(folder / OPTIMIZER_TENSORS))
+    (folder / OPTIMIZER_JSON).write_text(json.dumps(
+        {"param_groups": optim_state["param_groups"], "state": other, "scheduler": schedule}))
+
+
+def _load_optimizer(folder: Path) -> dict:
+    """What _save_optimizer wrote, as {"optimizer", "scheduler", "rng"}. A run folder holding
+    optimizer.pt instead is read with weights_only=True: tensors and containers, no objects."""
+    try:
+        if not (folder / OPTIMIZER_TENSORS).is_file() and (folder / "optimizer.pt").is_file():
+            return torch.load(folder / "optimizer.pt", map_location="cpu", weights_only=True)
+        tensors = load_file(str(folder / OPTIMIZER_TENSORS))
+        saved = json.loads((folder / OPTIMIZER_JSON).read_text())
+    except Exception as e:   # missing or truncated files; an optimizer.pt holding objects
+        raise GlaswapError(f"the checkpoint in {folder} is unreadable or not glaswap's ({type(e).__name__}); "
+                           f"restart the run with --force")
+    state = {name: dict(st) for name, st in saved["state"].items()}
+    for key, value in tensors.items():
+        if key.startswith("state/"):
+            name, _, field = key[len("state/"):].rpartition("/")
+            state.setdefault(name, {})[field] = value
+    return {"optimizer": {"state": state, "param_groups": saved["param_groups"]},
+            "scheduler": saved["scheduler"], "rng": tensors["rng"]}
+
+
 def restore_optimizer(folder: Path, optimizer, scheduler, dist, model):
     """The optimizer, schedule and CPU random state a checkpoint saved, into this run's."""
-    state = torch.load(folder / "optimizer.pt", map_location="cpu", weights_only=False)
+    state = _load_optimizer(folder)
+    for group, saved in zip(optimizer.param_groups, state["optimizer"]["param_groups"]):
+        for key, value in saved.items():   # JSON has no tuples (AdamW's betas is one)
+            if isinstance(value, list) and isinstance(group.get(key), tuple):
+                saved[key] = tuple(value)
     dist.load_optimizer_state(model, optimizer, state["optimizer"])
     scheduler.load_state_dict(state["scheduler"])
     torch.set_rng_state(state["rng"])

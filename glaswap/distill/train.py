@@ -1,6 +1,7 @@
 """`glaswap distill`: attention transfer, then LoRA distillation, resumable.
 
 Layout of a run with output folder OUT:
+    OUT.run.lock        held (flock) by the one process that runs in OUT.run
     OUT.run/            work in progress (removed when the run finishes)
         converted/      the step-0 GLA model (`glaswap convert` output)
         recipe.yaml     the resolved recipe the run started with
@@ -16,14 +17,16 @@ set-up in student.py, the run folder's checkpoints and metrics in checkpoints.py
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import shutil
 from pathlib import Path
 
 import torch
 from safetensors.torch import save_file
 
-from glaswap.checkpoint import output_folder, write_model_code
+from glaswap.checkpoint import check_out_path, exclusive_lock, output_folder, write_model_code
 from glaswap.distill import data as D
 from glaswap.distill.checkpoints import Metrics, copy_state, latest_checkpoint, restore_optimizer
 from glaswap.distill.losses import kd_step, transfer_step
@@ -32,30 +35,44 @@ from glaswap.distill.parallel import Dist, setup_distributed
 from glaswap.distill.recipe import Recipe, dump_recipe
 from glaswap.distill.student import build_student, device_dtype, lora_inputs_in_compute_dtype
 from glaswap.errors import GlaswapError
-from glaswap.runtime import DTYPES
+from glaswap.runtime import DTYPES, check_finite_weights, write_error
 
 
 def distill(recipe: Recipe, out=None, resume: bool = False, force: bool = False, log=print,
-            stop_after: tuple[int, int] | None = None) -> dict:
+            stop_after: tuple[int, int] | None = None, trust_remote_code: bool = False) -> dict:
     """Run a recipe; returns the figures written to OUT/glaswap.json.
 
     `stop_after=(stage, step)` stops like Ctrl-C after that step (checkpoint written); the
-    resume test uses it. Under torchrun this closes the process group it started; a script
-    of your own should then end with `os._exit(0)` as `glaswap distill` does (see
-    `_end_torchrun_worker` in glaswap/cli.py for the gloo shutdown race it avoids).
+    resume test uses it. `trust_remote_code` lets the tokenizer run Python code its folder
+    ships. Under torchrun this closes the process group it started; a script of your own
+    should then end with `os._exit(0)` as `glaswap distill` does (see `_end_torchrun_worker`
+    in glaswap/cli.py for the gloo shutdown race it avoids).
     """
+    out, folder = _paths(recipe, out)
     dist = setup_distributed(recipe.train.distributed)
     ok = False
     try:
-        meta = _distill(recipe, out, resume, force, log, stop_after, dist)
+        with contextlib.ExitStack() as held:
+            meta = _distill(recipe, out, folder, resume, force, log, stop_after, dist, trust_remote_code, held)
         ok = True
         return meta
+    except Exception as e:
+        err = write_error(e, folder)
+        if err is not None:
+            raise err from e
+        raise
     finally:
         dist.close(ok)
 
 
-def _distill(recipe: Recipe, out, resume: bool, force: bool, log, stop_after, dist: Dist) -> dict:
-    out, folder = _paths(recipe, out)
+def _distill(recipe: Recipe, out: Path, folder: Path, resume: bool, force: bool, log, stop_after, dist: Dist,
+             trust_remote_code: bool, held: contextlib.ExitStack) -> dict:
+    inputs = [("model.source", recipe.model.source)] + [("data path", p) for p in D.local_paths(recipe)]
+    check_out_path(out, inputs)
+    check_out_path(folder, inputs)
+    lock = folder.with_name(folder.name + ".lock")
+    dist.main_only(lambda: held.enter_context(exclusive_lock(
+        lock, f"another glaswap distill is running in {folder} (it holds {lock}); wait for it to end or stop it")))
     _check_folders(out, folder, resume, force)   # every rank: they all see the same folders
     fresh = force or not folder.exists()         # this call creates the run folder
     D.check_paths(recipe)
@@ -65,23 +82,23 @@ def _distill(recipe: Recipe, out, resume: bool, force: bool, log, stop_after, di
         torch.set_num_threads(recipe.train.threads)
     log = log if dist.is_main else (lambda *a, **k: None)
 
-    dist.main_only(lambda: _prepare_run_folder(folder, recipe, resume, force, log))
-    converted = folder / "converted"
-    step0 = json.loads((converted / "glaswap.json").read_text()).get("step0", {})
     try:
-        data = D.load_run_data(converted, recipe, log)
+        dist.main_only(lambda: _prepare_run_folder(folder, recipe, resume, force, trust_remote_code, log))
+        converted = folder / "converted"
+        step0 = json.loads((converted / "glaswap.json").read_text()).get("step0", {})
+        data = D.load_run_data(converted, recipe, log, trust_remote_code)
+        torch.manual_seed(recipe.train.seed)
+        # FSDP shards need one dtype per layer: keep float32 there and gather in the compute dtype.
+        student = build_student(converted, recipe, torch.float32 if dist.mode == "fsdp" else dtype)
     except GlaswapError:
-        # Refused before any training (empty data, a set shorter than one block, no tokenizer):
-        # a run folder this call created holds only the conversion, so it goes, and the same
-        # command works again once the recipe is fixed (no --force needed). Under torchrun
-        # the other ranks may still be reading it: the folder stays there.
+        # Refused before any training (a bad source, empty data, a set shorter than one block,
+        # no tokenizer, unknown LoRA targets): a run folder this call created holds at most the
+        # conversion, so it goes, and the same command works again once the recipe is fixed
+        # (no --force needed). Under torchrun the other ranks may still be reading it: the
+        # folder stays there.
         if fresh and dist.world == 1:
             shutil.rmtree(folder, ignore_errors=True)
         raise
-
-    torch.manual_seed(recipe.train.seed)
-    # FSDP shards need one dtype per layer: keep float32 there and gather in the compute dtype.
-    student = build_student(converted, recipe, torch.float32 if dist.mode == "fsdp" else dtype)
     lm = student.lm
     if device.type == "cuda" and dtype != torch.float32:  # every step runs under autocast
         lora_inputs_in_compute_dtype(lm)
@@ -158,7 +175,10 @@ def _distill(recipe: Recipe, out, resume: bool, force: bool, log, stop_after, di
 
 # ----------------------------------------------------------------------------- folders
 def _paths(recipe: Recipe, out) -> tuple[Path, Path]:
-    out = Path(out or recipe.output.dir or Path("runs") / recipe.name)
+    out = Path(out or recipe.output.dir or Path("runs") / recipe.name).expanduser()
+    check_out_path(out)                  # ".", "~", "/" are refused before OUT.run is named
+    if out.name in ("", ".", ".."):
+        out = Path(os.path.abspath(out))
     return out, out.with_name(out.name + ".run")
 
 
@@ -175,7 +195,7 @@ def _check_folders(out: Path, run: Path, resume: bool, force: bool):
         raise GlaswapError(f"an unfinished run is in {run}; pass --resume to continue it or --force to restart")
 
 
-def _prepare_run_folder(run: Path, recipe: Recipe, resume: bool, force: bool, log):
+def _prepare_run_folder(run: Path, recipe: Recipe, resume: bool, force: bool, trust_remote_code: bool, log):
     """The run folder: resolved recipe, and the converted (step-0) model."""
     from glaswap.convert import convert
 
@@ -190,7 +210,7 @@ def _prepare_run_folder(run: Path, recipe: Recipe, resume: bool, force: bool, lo
     if not (run / "converted" / "glaswap.json").is_file():
         shutil.rmtree(run / "converted", ignore_errors=True)
         convert(recipe.model.source, run / "converted", options=recipe.model.options,
-                seed=recipe.model.seed, log=log)
+                seed=recipe.model.seed, trust_remote_code=trust_remote_code, log=log)
 
 
 # ----------------------------------------------------------------------------- evaluation
@@ -240,6 +260,7 @@ def _save_final(out, force, trained, tokenizer, recipe, run, meta, out_dtype, lo
     student = build_student(run / "converted", recipe, torch.float32)
     lm, peft_model = student.lm, student.peft_model
     copy_state(lm, trained)
+    check_finite_weights(lm, "the distilled model")   # never a finished OUT that cannot run
     with output_folder(out, force=force) as tmp:
         if peft_model is not None and recipe.output.save_adapter:
             adapter = tmp / "adapter"
