@@ -92,8 +92,8 @@ def convert(source, out, gate, gate_rank, gate_init_decay, feature_map, normaliz
 
 
 @main.command(context_settings={"ignore_unknown_options": False})
-@click.option("--recipe", "recipe_path", required=True, type=click.Path(dir_okay=False),
-              help="A recipe YAML (see recipes/).")
+@click.option("--recipe", "recipe_path", required=True, metavar="NAME|FILE",
+              help="A shipped recipe's name (`glaswap recipes` lists them) or a recipe YAML file.")
 @click.argument("overrides", nargs=-1)
 @click.option("--out", type=click.Path(file_okay=False), help="Output folder (default: the recipe's output.dir).")
 @click.option("--resume", is_flag=True, help="Continue an interrupted run from its last checkpoint.")
@@ -128,6 +128,45 @@ def distill(recipe_path, overrides, out, resume, force, stop_after):
         sys.exit(130)
     _end_torchrun_worker(0)
 
+
+@main.group(invoke_without_command=True)
+@click.pass_context
+def recipes(ctx):
+    """List the shipped distillation recipes, one line each; `recipes cp NAME FILE` copies one to edit."""
+    if ctx.invoked_subcommand is not None:
+        return
+    from glaswap.distill.recipe import recipe_summary, shipped_recipes
+
+    shipped = shipped_recipes()
+    width = max(map(len, shipped))
+    for name, path in shipped.items():
+        click.echo(f"{name:<{width}}  {recipe_summary(path)}")
+
+
+@recipes.command(name="cp")
+@click.argument("name")
+@click.argument("file", type=click.Path())
+@click.option("--force", is_flag=True, help="Replace FILE if it exists.")
+@_friendly
+def recipes_cp(name, file, force):
+    """Copy the shipped recipe NAME to FILE (a folder gets NAME.yaml), to edit and run with --recipe FILE."""
+    from pathlib import Path
+
+    from glaswap.distill.recipe import shipped_recipes
+    from glaswap.runtime import atomic_write
+
+    shipped = shipped_recipes()
+    name = name[:-len(".yaml")] if name.endswith(".yaml") else name
+    if name not in shipped:
+        raise GlaswapError(f"no recipe named {name!r}; shipped recipes: {', '.join(shipped)}")
+    dest = Path(file)
+    if dest.is_dir():
+        dest = dest / f"{name}.yaml"
+    if dest.exists() and not force:
+        raise GlaswapError(f"{dest} already exists; choose another FILE, or pass --force to replace it")
+    text = shipped[name].read_text()
+    atomic_write(dest, lambda tmp: tmp.write_text(text))
+    click.echo(f"wrote {dest}; run it with: glaswap distill --recipe {dest}")
 
 
 @main.command(name="eval")

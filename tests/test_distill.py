@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 from click.testing import CliRunner
-from helpers import REPO, run_without_glaswap, tiny_recipe
+from helpers import run_without_glaswap, tiny_recipe
 from safetensors.torch import load_file
 
 from glaswap.cli import main
@@ -22,27 +22,28 @@ from glaswap.distill import data as D
 from glaswap.distill import distill, load_recipe
 from glaswap.distill.losses import kd_loss, next_token_labels
 from glaswap.distill.parallel import Dist
+from glaswap.distill.recipe import recipe_summary, shipped_recipes
 from glaswap.distill.loop import Interrupted, evaluate_blocks
 from glaswap.errors import GlaswapError
 from glaswap.models.modeling_glaswap import GLASwapForCausalLM
 
-RECIPES = sorted((REPO / "recipes").glob("*.yaml"))
 
 
 # ----------------------------------------------------------------------------- recipes
 def test_every_shipped_recipe_validates_and_names_its_command():
-    names = {p.name for p in RECIPES}
-    assert {"smollm2-135m-demo.yaml", "smollm2-135m.yaml", "llama-3.2-1b.yaml", "llama-3.1-8b.yaml"} <= names
-    for path in RECIPES:
-        recipe = load_recipe(path)
+    shipped = shipped_recipes()
+    assert {"smollm2-135m-demo", "smollm2-135m", "llama-3.2-1b", "llama-3.1-8b"} <= shipped.keys()
+    for name, path in shipped.items():
+        recipe = load_recipe(name)
         first = path.read_text().splitlines()[0]
-        assert first.startswith("# ") and f"--recipe recipes/{path.name}" in first, (path, first)
+        assert first.startswith("# ") and first.endswith(f"--recipe {name}"), (path, first)
         assert "glaswap distill" in first or "torchrun" in first
+        assert 20 < len(recipe_summary(path)) <= 100, (path, recipe_summary(path))  # `glaswap recipes`' line
         assert recipe.stage2.lora_rank >= 1 and recipe.data.train
 
 
 def test_overrides_and_errors(tmp_path):
-    demo = REPO / "recipes" / "smollm2-135m-demo.yaml"
+    demo = "smollm2-135m-demo"
     r = load_recipe(demo, ["stage2.lr=1e-4", "data.seq_len=128", "model.options.gate=key", "train.device=cpu"])
     assert r.stage2.lr == 1e-4 and r.data.seq_len == 128 and r.model.options["gate"] == "key"
     cases = {
@@ -385,7 +386,7 @@ def test_bad_inputs_one_line_each(tmp_path):
 @pytest.mark.slow
 def test_demo_recipe_runs_on_the_real_model(tmp_path):
     """The README's main job, shortened: real SmolLM2, real Shakespeare and Milton."""
-    recipe = load_recipe(REPO / "recipes" / "smollm2-135m-demo.yaml",
+    recipe = load_recipe("smollm2-135m-demo",
                          ["stage1.steps=2", "stage2.steps=2", "data.eval_tokens=512"])
     meta = distill(recipe, out=tmp_path / "demo", log=_quiet)
     ev = meta["eval"]
