@@ -188,14 +188,18 @@ def recipes_cp(name, file, force):
 @click.option("--device", default="auto", show_default=True, help="auto, cpu or cuda.")
 @click.option("--dtype", type=click.Choice(["auto", "float32", "bfloat16", "float16"]), default="auto",
               show_default=True, help="auto: bfloat16 on CUDA, float32 on CPU.")
+@click.option("--bos", is_flag=True,
+              help="Put BOS (EOS if none) first and score every token, as lm-eval's loglikelihood_rolling "
+                   "does with max_length = the context.")
 @_friendly
-def eval_(model, more_texts, texts, teacher, context, stride, max_tokens, batch_size, out, device, dtype):
+def eval_(model, more_texts, texts, teacher, context, stride, max_tokens, batch_size, out, device, dtype, bos):
     """Perplexity and bits per byte of MODEL and its teacher on identical windows of text files,
     plus MODEL reading each file in one pass with its recurrent state (the "stateful" column)."""
     from glaswap.evaluate import evaluate
 
     evaluate(model, list(texts) + list(more_texts), teacher=teacher, context=context, stride=stride,
-             max_tokens=max_tokens, batch_size=batch_size, out=out, device=device, dtype=dtype, log=click.echo)
+             max_tokens=max_tokens, batch_size=batch_size, out=out, device=device, dtype=dtype, log=click.echo,
+             bos=bos)
 
 
 @main.command()
