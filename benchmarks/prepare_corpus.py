@@ -1,4 +1,4 @@
-"""Build the token files of the SmolLM2-135M GPU recipe (recipes/smollm2-135m.yaml).
+"""Build the token files of the SmolLM2-135M GPU recipe (glaswap/recipes/smollm2-135m.yaml).
 
 The corpus is tokenised once, on any machine, and kept as token ids (uint16: 2 bytes a
 token), so a GPU machine needs neither the sources nor a network. Sources, all public:

@@ -102,8 +102,8 @@ def convert(source, out, gate, gate_rank, gate_init_decay, feature_map, normaliz
 
 
 @main.command(context_settings={"ignore_unknown_options": False})
-@click.option("--recipe", "recipe_path", required=True, type=click.Path(dir_okay=False),
-              help="A recipe YAML (see recipes/).")
+@click.option("--recipe", "recipe_path", required=True, metavar="NAME|FILE",
+              help="A shipped recipe's name (`glaswap recipes` lists them) or a recipe YAML file.")
 @click.argument("overrides", nargs=-1)
 @click.option("--out", type=click.Path(file_okay=False), help="Output folder (default: the recipe's output.dir).")
 @click.option("--resume", is_flag=True, help="Continue an interrupted run from its last checkpoint.")
@@ -140,6 +140,45 @@ def distill(recipe_path, overrides, out, resume, force, stop_after, trust_remote
     _end_torchrun_worker(0)
 
 
+@main.group(invoke_without_command=True)
+@click.pass_context
+def recipes(ctx):
+    """List the shipped distillation recipes, one line each; `recipes cp NAME FILE` copies one to edit."""
+    if ctx.invoked_subcommand is not None:
+        return
+    from glaswap.distill.recipe import recipe_summary, shipped_recipes
+
+    shipped = shipped_recipes()
+    width = max(map(len, shipped))
+    for name, path in shipped.items():
+        click.echo(f"{name:<{width}}  {recipe_summary(path)}")
+
+
+@recipes.command(name="cp")
+@click.argument("name")
+@click.argument("file", type=click.Path())
+@click.option("--force", is_flag=True, help="Replace FILE if it exists.")
+@_friendly
+def recipes_cp(name, file, force):
+    """Copy the shipped recipe NAME to FILE (a folder gets NAME.yaml), to edit and run with --recipe FILE."""
+    from pathlib import Path
+
+    from glaswap.distill.recipe import shipped_recipes
+    from glaswap.runtime import atomic_write
+
+    shipped = shipped_recipes()
+    name = name[:-len(".yaml")] if name.endswith(".yaml") else name
+    if name not in shipped:
+        raise GlaswapError(f"no recipe named {name!r}; shipped recipes: {', '.join(shipped)}")
+    dest = Path(file)
+    if dest.is_dir():
+        dest = dest / f"{name}.yaml"
+    if dest.exists() and not force:
+        raise GlaswapError(f"{dest} already exists; choose another FILE, or pass --force to replace it")
+    text = shipped[name].read_text()
+    atomic_write(dest, lambda tmp: tmp.write_text(text))
+    click.echo(f"wrote {dest}; run it with: glaswap distill --recipe {dest}")
+
 
 @main.command(name="eval")
 @click.argument("model", type=click.Path())
@@ -161,16 +200,19 @@ def distill(recipe_path, overrides, out, resume, force, stop_after, trust_remote
 @click.option("--dtype", type=click.Choice(["auto", "float32", "bfloat16", "float16"]), default="auto",
               show_default=True, help="auto: bfloat16 on CUDA, float32 on CPU.")
 @click.option("--trust-remote-code", is_flag=True, help=_TRUST_HELP)
+@click.option("--bos", is_flag=True,
+              help="Put BOS (EOS if none) first and score every token, as lm-eval's loglikelihood_rolling "
+                   "does with max_length = the context.")
 @_friendly
 def eval_(model, more_texts, texts, teacher, context, stride, max_tokens, batch_size, out, device, dtype,
-          trust_remote_code):
+          trust_remote_code, bos):
     """Perplexity and bits per byte of MODEL and its teacher on identical windows of text files,
     plus MODEL reading each file in one pass with its recurrent state (the "stateful" column)."""
     from glaswap.evaluate import evaluate
 
     evaluate(model, list(texts) + list(more_texts), teacher=teacher, context=context, stride=stride,
              max_tokens=max_tokens, batch_size=batch_size, out=out, device=device, dtype=dtype,
-             trust_remote_code=trust_remote_code, log=click.echo)
+             trust_remote_code=trust_remote_code, bos=bos, log=click.echo)
 
 
 @main.command()

@@ -52,17 +52,20 @@ def read_text_file(path) -> str:
 
 
 # --------------------------------------------------------------------------- windows
-def windows(n: int, context: int, stride: int) -> list[tuple[int, int, int]]:
+def windows(n: int, context: int, stride: int, align_last: bool = False) -> list[tuple[int, int, int]]:
     """(begin, end, first scored token) of each window over n tokens.
 
     Window w reads tokens [begin, end) and scores tokens [first, end): those no earlier
     window scored. A token is predicted from the tokens before it in its window, so the
     first token of the document, and with stride == context the first token of every
-    window, is never scored.
+    window, is never scored. `align_last`: the last window ends at n with a full context,
+    as lm-eval's rolling windows do, instead of starting a stride after the one before.
     """
     out, begin, prev_end = [], 0, 0
     while True:
         end = min(begin + context, n)
+        if align_last and end == n:
+            begin = max(0, n - context)
         first = max(prev_end, begin + 1)
         if first < end:
             out.append((begin, end, first))
@@ -84,10 +87,25 @@ def token_bytes(text: str, tokenizer, ids, offsets) -> np.ndarray:
     return np.diff(np.concatenate([[0], cum[ends]]))
 
 
-class Document:
-    """One text file as token ids, with what each token is worth in bytes and where it is scored."""
+def bos_token_id(tokenizer) -> int:
+    """The token lm-eval puts before a text: BOS, or EOS where the tokenizer has no BOS."""
+    for token_id in (tokenizer.bos_token_id, tokenizer.eos_token_id):
+        if token_id is not None:
+            return token_id
+    raise GlaswapError("the tokenizer has neither a BOS nor an EOS token to put first; run without --bos")
 
-    def __init__(self, path, text, tokenizer, max_tokens, context, stride):
+
+class Document:
+    """One text file as token ids, with what each token is worth in bytes and where it is scored.
+
+    bos: the ids start with bos_token_id(tokenizer), and every token of the text is scored,
+    as lm-eval's loglikelihood_rolling does with max_length = context: a window holds
+    context + 1 ids, the model predicts each of the last `context` from the ids before it
+    (its first id, and with stride < context more of them, scored by an earlier window or
+    BOS, are context only), the next window starts `stride` later, and the last one is
+    aligned to the end."""
+
+    def __init__(self, path, text, tokenizer, max_tokens, context, stride, bos=False):
         self.path = str(path)
         fast = getattr(tokenizer, "is_fast", False)
         enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=fast)
@@ -96,11 +114,15 @@ class Document:
         if max_tokens:
             ids = ids[:max_tokens]
             offsets = offsets[:max_tokens] if offsets is not None else None
-        if len(ids) < 2:
-            raise GlaswapError(f"{path} has fewer than 2 tokens; nothing to score, pass a longer text")
+        if len(ids) < 2 - bos:
+            raise GlaswapError(f"{path} has fewer than {2 - bos} tokens; nothing to score, pass a longer text")
+        nbytes = token_bytes(text, tokenizer, ids, offsets)
+        if bos:
+            ids, nbytes = [bos_token_id(tokenizer)] + list(ids), np.concatenate([[0], nbytes])
         self.ids = torch.tensor(ids, dtype=torch.long)
-        self.bytes = token_bytes(text, tokenizer, ids, offsets)
-        self.windows = windows(len(ids), context, stride)
+        self.bytes = nbytes
+        self.windows = windows(len(ids), context + 1, stride, align_last=True) if bos else \
+            windows(len(ids), context, stride)
         n = len(ids)
         self.scored = np.zeros(n, dtype=bool)
         self.position = np.full(n, -1, dtype=np.int64)     # position of each scored token in its window
@@ -213,12 +235,15 @@ def _by_position(docs, context) -> dict:
 # --------------------------------------------------------------------------- entry point
 def evaluate(model_dir, texts, teacher: str = "auto", context: int = 512, stride: int | None = None,
              max_tokens: int | None = None, batch_size: int = 1, out=None, device: str = "auto",
-             dtype: str = "auto", progress: bool = True, trust_remote_code: bool = False, log=print) -> dict:
+             dtype: str = "auto", progress: bool = True, trust_remote_code: bool = False, log=print,
+             bos: bool = False) -> dict:
     """Evaluate a glaswap model against its teacher on text files; returns every figure.
 
     teacher: "auto" (the source recorded in glaswap.json), "self" (the model's own softmax
     attention: the teacher before distillation, no second model loaded) or a path to a
     Hugging Face folder or .gguf file. max_tokens: use at most this many tokens of each file.
+    bos: put BOS first and score every token, as lm-eval's loglikelihood_rolling does with
+    max_length = context (see Document).
     Writes a JSON file and a PNG of the loss by position to `out` (default MODEL/eval).
     trust_remote_code: run Python code that the tokenizer's or the teacher's folder ships.
     """
@@ -244,7 +269,7 @@ def evaluate(model_dir, texts, teacher: str = "auto", context: int = 512, stride
 
     started = time.time()
     tok = load_tokenizer(model_dir, trust_remote_code)
-    docs = [Document(p, text, tok, max_tokens, context, stride) for p, text in contents]
+    docs = [Document(p, text, tok, max_tokens, context, stride, bos) for p, text in contents]
     student = load_student(model_dir, dev, dt)
     student.set_attention_mode("gla")
     teacher_model = None
@@ -267,17 +292,17 @@ def evaluate(model_dir, texts, teacher: str = "auto", context: int = 512, stride
         "model": str(model_dir),
         "teacher": t_desc,
         "settings": {"context": context, "stride": stride, "max_tokens": max_tokens, "batch_size": batch_size,
-                     "device": str(dev), "dtype": str(dt).replace("torch.", "")},
+                     "device": str(dev), "dtype": str(dt).replace("torch.", ""), "bos": bos},
         "files": [_file_figures(d) for d in docs],
         "overall": _overall(docs),
-        "by_position": _by_position(docs, context),
+        "by_position": _by_position(docs, context + bos),   # with bos a window predicts `context` tokens
         "seconds": round(seconds, 2),
         "tokens_per_second": round(total / max(seconds, 1e-9), 1),
         "load_seconds": round(t0 - started, 2),
     }
     result["versions"] = versions()
     out = Path(out) if out is not None else model_dir / "eval"
-    name = _run_name(docs, context, stride)
+    name = _run_name(docs, context, stride) + ("-bos" if bos else "")
     has_plot = importlib.util.find_spec("matplotlib") is not None
     result["outputs"] = {"json": str(out / f"{name}.json"),
                          "png": str(out / f"{name}.png") if has_plot else "(no PNG: pip install matplotlib)"}
@@ -313,7 +338,8 @@ def format_table(result: dict) -> str:
     lines.insert(1, "-" * len(lines[0]))
     s = result["settings"]
     teacher = result["teacher"].get("spec", "?")
-    lines.append(f"context {s['context']}, stride {s['stride']}, teacher {teacher}; stateful = the model reading "
+    lines.append(f"context {s['context']}, stride {s['stride']}{', BOS first' if s.get('bos') else ''}, "
+                 f"teacher {teacher}; stateful = the model reading "
                  f"each file in one pass; KL = mean KL(teacher || model) per token, nats")
     return "\n".join(lines)
 

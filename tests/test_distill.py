@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import shutil
 import signal
 import subprocess
@@ -14,35 +15,36 @@ import numpy as np
 import pytest
 import torch
 from click.testing import CliRunner
-from helpers import REPO, run_without_glaswap, tiny_recipe
-from safetensors.torch import load_file
+from helpers import run_without_glaswap, tiny_recipe
+from safetensors.torch import load_file, save_file
 
 from glaswap.cli import main
 from glaswap.distill import data as D
 from glaswap.distill import distill, load_recipe
 from glaswap.distill.losses import kd_loss, next_token_labels
 from glaswap.distill.parallel import Dist
+from glaswap.distill.recipe import recipe_summary, shipped_recipes
 from glaswap.distill.loop import Interrupted, evaluate_blocks
 from glaswap.errors import GlaswapError
 from glaswap.models.modeling_glaswap import GLASwapForCausalLM
 
-RECIPES = sorted((REPO / "recipes").glob("*.yaml"))
 
 
 # ----------------------------------------------------------------------------- recipes
 def test_every_shipped_recipe_validates_and_names_its_command():
-    names = {p.name for p in RECIPES}
-    assert {"smollm2-135m-demo.yaml", "smollm2-135m.yaml", "llama-3.2-1b.yaml", "llama-3.1-8b.yaml"} <= names
-    for path in RECIPES:
-        recipe = load_recipe(path)
+    shipped = shipped_recipes()
+    assert {"smollm2-135m-demo", "smollm2-135m", "llama-3.2-1b", "llama-3.1-8b"} <= shipped.keys()
+    for name, path in shipped.items():
+        recipe = load_recipe(name)
         first = path.read_text().splitlines()[0]
-        assert first.startswith("# ") and f"--recipe recipes/{path.name}" in first, (path, first)
+        assert first.startswith("# ") and first.endswith(f"--recipe {name}"), (path, first)
         assert "glaswap distill" in first or "torchrun" in first
+        assert 20 < len(recipe_summary(path)) <= 100, (path, recipe_summary(path))  # `glaswap recipes`' line
         assert recipe.stage2.lora_rank >= 1 and recipe.data.train
 
 
 def test_overrides_and_errors(tmp_path):
-    demo = REPO / "recipes" / "smollm2-135m-demo.yaml"
+    demo = "smollm2-135m-demo"
     r = load_recipe(demo, ["stage2.lr=1e-4", "data.seq_len=128", "model.options.gate=key", "train.device=cpu"])
     assert r.stage2.lr == 1e-4 and r.data.seq_len == 128 and r.model.options["gate"] == "key"
     cases = {
@@ -230,7 +232,7 @@ def test_tiny_distill_end_to_end(tmp_path, variant):
     meta = distill(recipe, out=out, log=_quiet)
     for name in ("model.safetensors", "config.json", "glaswap.json", "modeling_glaswap.py", "recipe.yaml",
                  "metrics.jsonl", "loss.png", "eval.json", "adapter/adapter_model.safetensors",
-                 "adapter/adapter_config.json", "adapter/glaswap_new_parameters.safetensors"):
+                 "adapter/adapter_config.json", "adapter/glaswap_base.json"):
         assert (out / name).is_file(), name
     assert not (tmp_path / "out.run").exists(), "the work folder should go once the run is complete"
     ev = meta["eval"]
@@ -264,6 +266,56 @@ with torch.no_grad():
 """
     proc = run_without_glaswap(code, tmp_path)
     assert proc.returncode == 0 and "finite True" in proc.stdout, proc.stderr[-2000:]
+
+
+def test_adapter_on_a_rebuilt_base_gives_the_distilled_model(tmp_path):
+    """OUT/adapter stands on its own: the recorded `glaswap convert` command rebuilds its base
+    at the path adapter_config.json names, and there, without glaswap, PeftModel and
+    AutoPeftModelForCausalLM give the merged model's logits. Without the gates and feature
+    maps (LoRA alone) they do not."""
+    out = tmp_path / "out"
+    distill(load_recipe(tiny_recipe(tmp_path, s1=3, s2=2)), out=out, log=_quiet)
+    adapter = out / "adapter"
+    config = json.loads((adapter / "adapter_config.json").read_text())
+    base = json.loads((adapter / "glaswap_base.json").read_text())
+    assert config["base_model_name_or_path"] == base["path"] == str(tmp_path.resolve() / "out.base")
+    assert config["task_type"] == "CAUSAL_LM"
+    assert config["modules_to_save"] == ["self_attn.gate_down", "self_attn.gate_up", "self_attn.k_map",
+                                         "self_attn.q_map"]
+    assert sorted(p.name for p in adapter.iterdir()) == ["README.md", "adapter_config.json",
+                                                         "adapter_model.safetensors", "glaswap_base.json"]
+    assert base["command"] in (adapter / "README.md").read_text()
+    result = CliRunner().invoke(main, shlex.split(base["command"])[1:])
+    assert result.exit_code == 0, result.output
+    # the same adapter with the LoRA tensors only, as peft saves a LoRA without modules_to_save
+    lora_only = tmp_path / "lora_only"
+    lora_only.mkdir()
+    tensors = load_file(str(adapter / "adapter_model.safetensors"))
+    save_file({k: v for k, v in tensors.items() if ".lora_" in k}, str(lora_only / "adapter_model.safetensors"))
+    (lora_only / "adapter_config.json").write_text(json.dumps(dict(config, modules_to_save=None)))
+
+    code = f"""
+import json, torch
+from peft import AutoPeftModelForCausalLM, PeftModel
+from transformers import AutoModelForCausalLM
+load = lambda path: AutoModelForCausalLM.from_pretrained(path, trust_remote_code=True, dtype=torch.float32)
+ids = (torch.arange(48)[None] * 7) % 128
+diff = lambda m: (m(ids).logits - merged).abs().max().item()
+with torch.no_grad():
+    merged = load({str(out)!r})(ids).logits
+    print(json.dumps({{
+        "base": diff(load({base["path"]!r})),
+        "peft": diff(PeftModel.from_pretrained(load({base["path"]!r}), {str(adapter)!r})),
+        "lora_only": diff(PeftModel.from_pretrained(load({base["path"]!r}), {str(lora_only)!r})),
+        "auto": diff(AutoPeftModelForCausalLM.from_pretrained({str(adapter)!r}, trust_remote_code=True,
+                                                              dtype=torch.float32)),
+    }}))
+"""
+    proc = run_without_glaswap(code, tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    diffs = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert diffs["peft"] < 1e-4 and diffs["auto"] < 1e-4, diffs
+    assert diffs["base"] > 1e-2 and diffs["lora_only"] > 1e-2, diffs
 
 
 @pytest.mark.parametrize("stop", [(1, 3), (2, 1)])
@@ -385,7 +437,7 @@ def test_bad_inputs_one_line_each(tmp_path):
 @pytest.mark.slow
 def test_demo_recipe_runs_on_the_real_model(tmp_path):
     """The README's main job, shortened: real SmolLM2, real Shakespeare and Milton."""
-    recipe = load_recipe(REPO / "recipes" / "smollm2-135m-demo.yaml",
+    recipe = load_recipe("smollm2-135m-demo",
                          ["stage1.steps=2", "stage2.steps=2", "data.eval_tokens=512"])
     meta = distill(recipe, out=tmp_path / "demo", log=_quiet)
     ev = meta["eval"]

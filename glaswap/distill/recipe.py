@@ -298,11 +298,42 @@ def _fix_floats(node):
     return node
 
 
+# ----------------------------------------------------------------------------- shipped recipes
+# The recipes ship inside the package (package data), so a wheel install has them too.
+SHIPPED = Path(__file__).resolve().parents[1] / "recipes"
+
+
+def shipped_recipes() -> dict[str, Path]:
+    """The recipes glaswap ships, by name (the file name without .yaml)."""
+    return {p.stem: p for p in sorted(SHIPPED.glob("*.yaml"), key=lambda p: p.stem)}
+
+
+def recipe_summary(path) -> str:
+    """A recipe's one-line description: the second line of its header (the first is the
+    command that runs it)."""
+    lines = Path(path).read_text().splitlines()
+    return lines[1].lstrip("#").strip() if len(lines) > 1 and lines[1].startswith("# ") else ""
+
+
+def resolve_recipe(name_or_path) -> Path:
+    """A recipe file: an existing path as given, else a shipped recipe of that name (with or
+    without .yaml); GlaswapError naming the shipped ones otherwise."""
+    path = Path(name_or_path)
+    if path.is_file():
+        return path
+    shipped = shipped_recipes()
+    name = path.name[:-len(".yaml")] if path.name.endswith(".yaml") else path.name
+    if path.parent == Path(".") and name in shipped:
+        return shipped[name]
+    is_path = path.parent != Path(".") or path.name.endswith((".yaml", ".yml"))
+    what = f"recipe file {path} does not exist" if is_path else f"no recipe named {name!r}"
+    raise GlaswapError(f"{what}; shipped recipes: {', '.join(shipped)} (`glaswap recipes` describes them)")
+
+
 def load_recipe(path, overrides=()) -> Recipe:
-    """Read, override and validate a recipe; GlaswapError with one line on any problem."""
-    path = Path(path)
-    if not path.is_file():
-        raise GlaswapError(f"recipe {path} does not exist; shipped recipes are in recipes/")
+    """Read, override and validate a recipe (a path, or the name of a shipped recipe);
+    GlaswapError with one line on any problem."""
+    path = resolve_recipe(path)
     try:
         raw = yaml.safe_load(path.read_text()) or {}
     except yaml.YAMLError as e:
@@ -330,4 +361,5 @@ def dump_recipe(recipe: Recipe) -> str:
     return yaml.safe_dump(recipe.to_dict(), sort_keys=False)
 
 
-__all__ = ["Recipe", "load_recipe", "dump_recipe", "parse_override", "GLA_OPTIONS"]
+__all__ = ["Recipe", "load_recipe", "dump_recipe", "parse_override", "GLA_OPTIONS", "resolve_recipe",
+           "shipped_recipes", "recipe_summary"]

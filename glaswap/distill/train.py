@@ -8,7 +8,8 @@ Layout of a run with output folder OUT:
         metrics.jsonl   one JSON line per logged step and evaluation
         checkpoints/    the latest checkpoint per stage, written atomically
     OUT/                the distilled model (LoRA merged), written atomically at the end,
-        adapter/        the LoRA adapter and the trained gates / feature maps beside it,
+        adapter/        the peft adapter: LoRA, and the trained gates / feature maps as
+                        modules_to_save (adapter.py); its base rebuilds as OUT.base
         recipe.yaml, metrics.jsonl, loss.png, eval.json
 
 This file is the run from start to end; one stage's loop is in loop.py, the student's
@@ -24,10 +25,10 @@ import shutil
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
 
 from glaswap.checkpoint import check_out_path, exclusive_lock, output_folder, write_model_code
 from glaswap.distill import data as D
+from glaswap.distill.adapter import adapter_model, base_record, save_adapter
 from glaswap.distill.checkpoints import Metrics, copy_state, latest_checkpoint, restore_optimizer
 from glaswap.distill.losses import kd_step, transfer_step
 from glaswap.distill.loop import RunState, StageContext, evaluate_blocks, make_optimizer, run_stage
@@ -259,18 +260,16 @@ def _save_final(out, force, trained, tokenizer, recipe, run, meta, out_dtype, lo
     LoRA in float32, and write OUT (and OUT/adapter) atomically."""
     student = build_student(run / "converted", recipe, torch.float32)
     lm, peft_model = student.lm, student.peft_model
-    copy_state(lm, trained)
-    check_finite_weights(lm, "the distilled model")   # never a finished OUT that cannot run
+    if peft_model is None:
+        copy_state(lm, trained)
+    else:
+        peft_model = adapter_model(student, trained)
+    check_finite_weights(peft_model if peft_model is not None else lm, "the distilled model")  # never an OUT that cannot run
     with output_folder(out, force=force) as tmp:
         if peft_model is not None and recipe.output.save_adapter:
-            adapter = tmp / "adapter"
-            peft_model.save_pretrained(str(adapter))
-            save_file({n: trained[n] for n in sorted(student.new_names)},
-                      str(adapter / "glaswap_new_parameters.safetensors"))
-            (adapter / "README.md").write_text(
-                "LoRA adapter of a glaswap distillation (peft), for the converted model of the same run;\n"
-                "`glaswap_new_parameters.safetensors` holds the trained gates and feature maps, which the\n"
-                "adapter alone does not carry. The folder above has both merged into the weights.\n")
+            base = base_record(recipe.model.source, json.loads((run / "converted" / "glaswap.json").read_text()),
+                               out)
+            save_adapter(peft_model, tmp / "adapter", base)
         if peft_model is not None:
             lm = peft_model.merge_and_unload()
         lm = lm.to(dtype=out_dtype)
