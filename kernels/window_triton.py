@@ -244,11 +244,14 @@ class _Plan:
     sink tile. `overrides` (tests, tuning runs) replace any attribute."""
 
     def __init__(self, T, D, S, dtype, overrides=None):
-        short = max(16, _next_pow2(T))
-        self.BM = min(64, short)
-        self.BN = min(64, short)
-        self.BS = max(16, min(64, _next_pow2(S)))
         self.BD = max(16, _next_pow2(D))
+        # 64 x 64 tiles up to 256 bytes a row (bf16/fp16 D <= 128, fp32 D <= 64); wider
+        # fp32 rows spill registers at 64 (ptxas, sm_90) and take 32
+        tile = 64 if self.BD * (4 if dtype == torch.float32 else 2) <= 256 else 32
+        short = max(16, _next_pow2(T))
+        self.BM = min(tile, short)
+        self.BN = min(tile, short)
+        self.BS = max(16, min(tile, _next_pow2(S)))
         self.warps = 4 if self.BD <= 64 else 8
         self.stages = 2
         # fp32 inputs get exact fp32 products (tf32 would cost them 3 decimal digits)

@@ -168,6 +168,12 @@ def test_half_dtypes(dtype):
 
 
 @needs_kernels
+def test_bf16_default_tiles():
+    # the launch plan's own tiles (64) at a padded head dim, GQA, a window of a whole tile
+    compare(B=2, T=130, H=4, Hkv=2, D=80, window=64, sinks=4, dtype=torch.bfloat16)
+
+
+@needs_kernels
 @pytest.mark.parametrize("grads", [("o",), ("lse",)])
 def test_one_output_gradient(grads):
     # autograd hands None for the output without a gradient
