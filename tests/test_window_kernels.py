@@ -16,7 +16,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from gla_helpers import DEVICE, gpu_only, interpreter_warnings, needs_kernels, poison_outputs, rel  # noqa: F401
+from gla_helpers import (DEVICE, gpu_only, interpreter_warnings, needs_kernels,  # noqa: F401
+                         poison_outputs, rel)
 from glaswap_kernels import gla_ops
 from glaswap_kernels.window_torch import window_attention_torch
 from glaswap_kernels.window_triton import fused_window_attention
@@ -120,7 +121,9 @@ def compare(B, T, H, Hkv, D, window, sinks, seqs=None, dtype=torch.float32, tile
             continue
         errs[name] = rel(a, b)
     tol = TOL[dtype] if tol is None else tol
-    bad = {n: e for n, e in errs.items() if not e <= tol}            # NaN fails too
+    # lse comes from fp32-accumulated products of the same rounded q and k in every dtype
+    bad = {n: e for n, e in errs.items() if not e <= (min(tol, 1e-4) if n == "lse" else tol)}
+    # (not e <= tol: NaN fails too)
     assert not bad, f"errors above {tol}: {bad} (all: {errs})"
     return errs
 
