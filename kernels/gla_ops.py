@@ -3,6 +3,8 @@
 `chunk_gla` (prefill and training) and `recurrent_gla` (token-by-token, for generation)
 run glaswap's Triton kernels on CUDA when Triton imports, and the PyTorch forms everywhere
 else. Both forms take and return the same shapes; see `gla_torch` for the contract.
+`window_attention` (exact softmax over a sliding window plus sinks) dispatches the same
+way; see `window_torch` for its contract.
 """
 
 from __future__ import annotations
@@ -12,15 +14,18 @@ import os
 import torch
 
 from .gla_torch import chunk_gla_torch, feature_map_torch, recurrent_gla_torch
+from .window_torch import check_window_inputs, window_attention_torch
 
 try:  # Triton is optional: a saved model must load on machines without it.
     from .feature_map_triton import fused_feature_map
     from .gate_triton import fused_gate
     from .gla_triton import fused_chunk_gla, fused_recurrent_gla
     from .normalizer_triton import fused_normalize
+    from .window_triton import fused_window_attention
     HAS_TRITON = True
 except Exception:  # ImportError, or a Triton too old for the kernels
     fused_chunk_gla = fused_recurrent_gla = fused_feature_map = fused_normalize = fused_gate = None
+    fused_window_attention = None
     HAS_TRITON = False
 
 BACKENDS = ("auto", "triton", "torch")
@@ -93,3 +98,14 @@ def recurrent_gla(q, k, v, g, scale=None, initial_state=None, output_final_state
                                    output_final_state=output_final_state)
     return recurrent_gla_torch(q, k, v, g, scale=scale, initial_state=initial_state,
                                output_final_state=output_final_state)
+
+
+def window_attention(q, k, v, window, sinks=0, scale=None, cu_seqlens=None, backend="auto"):
+    """Softmax attention of each token over its last `window` tokens and its document's
+    first `sinks`: (o [B, T, H, D] in q's dtype, lse [B, T, H] float32, natural log),
+    both differentiable. q [B, T, H, D], k and v [B, T, Hkv, D]; cu_seqlens [N+1] packs
+    documents (B == 1). scale defaults to 1/sqrt(D)."""
+    check_window_inputs(q, k, v, window, sinks, scale, cu_seqlens)
+    if _use_triton(q, backend):
+        return fused_window_attention(q, k, v, window, sinks, scale=scale, cu_seqlens=cu_seqlens)
+    return window_attention_torch(q, k, v, window, sinks, scale=scale, cu_seqlens=cu_seqlens)

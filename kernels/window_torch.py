@@ -1,0 +1,106 @@
+"""Exact softmax attention over a sliding window plus attention sinks: input checks and the
+plain PyTorch reference.
+
+Token i of a document attends with softmax(scale * q_i . k_j) to the keys j with
+
+    i - window < j <= i          (the last `window` tokens, itself included)
+    or j < min(sinks, i + 1)     (the first `sinks` tokens of its document)
+
+each key counted once. Positions and sinks restart at every document start of a packed
+batch (`cu_seqlens`, B == 1). The op returns the normalised output o [B, T, H, D] in q's
+dtype and lse [B, T, H] float32 = log sum_j exp(scale * q_i . k_j) over the allowed keys:
+a caller that mixes the window with another attention part (the GLA state) re-weights o by
+exp(lse), so lse is an output with a gradient of its own.
+
+The reference computes in float32 with an explicit [T, T] mask per document: O(T^2)
+memory, for tests and for machines without Triton.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def check_window_inputs(q, k, v, window, sinks, scale, cu_seqlens):
+    """Shapes, dtypes and arguments of window_attention; one-line ValueErrors. The values of
+    cu_seqlens (host data) are checked where they are read: window_bounds, or the kernels'
+    launch metadata."""
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(x, torch.Tensor) or x.ndim != 4:
+            raise ValueError(f"{name} must be a 4-D tensor [B, T, heads, D], got "
+                             f"{getattr(x, 'shape', type(x))}")
+    B, T, H, D = q.shape
+    if k.shape != v.shape or k.shape[:2] != (B, T) or k.shape[3] != D:
+        raise ValueError(f"k and v must both be [B, T, Hkv, D] with q's B, T and D: got q "
+                         f"{tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
+    Hkv = k.shape[2]
+    if Hkv == 0 or H % Hkv != 0:
+        raise ValueError(f"the number of query heads ({H}) must be a multiple of KV heads ({Hkv})")
+    if not 1 <= D <= 256:
+        raise ValueError(f"head dim D={D} is outside the supported 1..256")
+    if q.dtype not in _DTYPES or k.dtype != q.dtype or v.dtype != q.dtype:
+        raise ValueError(f"q, k, v must share one dtype among fp32/bf16/fp16: got "
+                         f"{q.dtype}, {k.dtype}, {v.dtype}")
+    if len({q.device, k.device, v.device}) != 1:
+        raise ValueError(f"q, k, v must be on one device, got {q.device}, {k.device}, {v.device}")
+    if B == 0 or T == 0:
+        raise ValueError("empty batch or sequence")
+    if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+        raise ValueError(f"window must be an int >= 1 (the query itself counts), got {window!r}")
+    if isinstance(sinks, bool) or not isinstance(sinks, int) or sinks < 0:
+        raise ValueError(f"sinks must be an int >= 0, got {sinks!r}")
+    if scale is not None and not (isinstance(scale, (int, float)) and math.isfinite(scale)):
+        raise ValueError(f"scale must be a finite number or None (1/sqrt(D)), got {scale!r}")
+    if cu_seqlens is not None:
+        if not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.ndim != 1 \
+                or cu_seqlens.numel() < 2 or cu_seqlens.dtype not in (torch.int32, torch.int64):
+            raise ValueError("cu_seqlens must be a 1-D int32/int64 tensor of N+1 document offsets")
+        if B != 1:
+            raise ValueError(f"cu_seqlens needs B == 1 (packed documents), got B={B}")
+    return B, T, H, Hkv, D
+
+
+def window_bounds(cu_seqlens, B, T):
+    """[(batch row, first token, end token)] of every document (host ints)."""
+    if cu_seqlens is None:
+        return [(b, 0, T) for b in range(B)]
+    cu = [int(x) for x in cu_seqlens.detach().cpu().tolist()]
+    if cu[0] != 0 or cu[-1] != T or any(b < a for a, b in zip(cu, cu[1:])):
+        raise ValueError(f"cu_seqlens must start at 0, never decrease and end at T={T}")
+    return [(0, a, b) for a, b in zip(cu, cu[1:])]
+
+
+def window_mask(n, window, sinks, device=None):
+    """[n, n] bool: query i (row) may attend key j (column) within one document."""
+    i = torch.arange(n, device=device)[:, None]
+    j = torch.arange(n, device=device)[None, :]
+    return (j <= i) & ((i - j < window) | (j < sinks))
+
+
+def window_attention_torch(q, k, v, window, sinks=0, scale=None, cu_seqlens=None):
+    """(o [B, T, H, D] in q's dtype, lse [B, T, H] float32); differentiable in q, k, v
+    through both outputs (autograd on float32 maths)."""
+    B, T, H, Hkv, D = check_window_inputs(q, k, v, window, sinks, scale, cu_seqlens)
+    scale = D ** -0.5 if scale is None else float(scale)
+    group = H // Hkv
+    outs, lses = [], []
+    for b, start, end in window_bounds(cu_seqlens, B, T):
+        n = end - start
+        if n == 0:                             # an empty document holds no tokens
+            continue
+        qd = q[b, start:end].float().transpose(0, 1)                       # [H, n, D]
+        kd = k[b, start:end].float().transpose(0, 1).repeat_interleave(group, 0)
+        vd = v[b, start:end].float().transpose(0, 1).repeat_interleave(group, 0)
+        s = scale * qd @ kd.transpose(1, 2)                                # [H, n, n]
+        s = s.masked_fill(~window_mask(n, window, sinks, q.device), float("-inf"))
+        lse_d = torch.logsumexp(s, dim=-1)                                 # [H, n]
+        p = torch.exp(s - lse_d[..., None])
+        outs.append((p @ vd).transpose(0, 1))                              # [n, H, D]
+        lses.append(lse_d.transpose(0, 1))
+    if cu_seqlens is None:                     # one document per batch row
+        return torch.stack(outs).to(q.dtype), torch.stack(lses)
+    return torch.cat(outs)[None].to(q.dtype), torch.cat(lses)[None]

@@ -1,0 +1,238 @@
+"""Sliding-window + sink softmax attention: the PyTorch reference against a direct masked
+softmax and plain causal attention, and the Triton kernels against the reference.
+
+Without a GPU the kernels run under the Triton interpreter (tests/conftest.py sets
+TRITON_INTERPRET=1 and fixes its bf16 arithmetic), so shapes stay tiny: odd T, T = 1,
+T < window, window = 1, sinks 0 and 4 (and more sinks than one sink tile), head dims 48
+and 80, GQA, packed documents shorter than the window and of one token, fp32, fp16 and
+bf16. Every comparison is a relative RMS error of o, lse and dq, dk, dv of
+loss = (o * do).sum() + (lse * dlse).sum(); every buffer the kernels fill starts as NaN.
+The `gpu` tests repeat the checks at real sizes in bf16 (`pytest -m gpu`).
+"""
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from gla_helpers import (DEVICE, gpu_only, interpreter_warnings, needs_kernels,  # noqa: F401
+                         poison_outputs, rel)
+from glaswap_kernels import gla_ops
+from glaswap_kernels.window_torch import window_attention_torch
+from glaswap_kernels.window_triton import fused_window_attention
+
+pytestmark = interpreter_warnings
+TOL = {torch.float32: 1e-5, torch.float16: 3e-3, torch.bfloat16: 2e-2}
+
+
+def _cu(seqs, device="cpu"):
+    bounds = [0]
+    for n in seqs:
+        bounds.append(bounds[-1] + n)
+    return torch.tensor(bounds, dtype=torch.int32, device=device)
+
+
+def make_inputs(B, T, H, Hkv, D, dtype=torch.float32, device="cpu", seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    q, k, v, do = (torch.randn(B, T, h, D, generator=gen) for h in (H, Hkv, Hkv, H))
+    dlse = torch.randn(B, T, H, generator=gen)
+    return [x.to(device=device, dtype=dtype) for x in (q, k, v, do)] + [dlse.to(device)]
+
+
+def direct(q, k, v, window, sinks, scale, seqs):
+    """Token by token: the allowed keys of each query listed explicitly, float64."""
+    B, T, H, D = q.shape
+    group = H // k.shape[2]
+    o = torch.zeros(B, T, H, D, dtype=torch.float64)
+    lse = torch.zeros(B, T, H, dtype=torch.float64)
+    docs = [(b, 0, T) for b in range(B)] if seqs is None else \
+        [(0, s, s + n) for s, n in zip(_cu(seqs).tolist(), seqs)]
+    for b, start, end in docs:
+        for i in range(end - start):
+            keys = sorted(set(range(max(0, i - window + 1), i + 1)) | set(range(min(sinks, i + 1))))
+            for h in range(H):
+                kk = k[b, [start + j for j in keys], h // group].double()
+                vv = v[b, [start + j for j in keys], h // group].double()
+                s = scale * kk @ q[b, start + i, h].double()
+                lse[b, start + i, h] = torch.logsumexp(s, 0)
+                o[b, start + i, h] = torch.softmax(s, 0) @ vv
+    return o, lse
+
+
+# ----------------------------------------------------------------------------- the reference
+
+@pytest.mark.parametrize("T,window,sinks,seqs", [(13, 4, 0, None), (13, 4, 3, None), (9, 1, 2, None),
+                                                 (17, 3, 2, [5, 1, 11]), (6, 10, 8, None)])
+def test_reference_matches_direct_softmax(T, window, sinks, seqs):
+    B = 1 if seqs else 2
+    q, k, v, *_ = make_inputs(B, T, 4, 2, 8)
+    cu = _cu(seqs) if seqs else None
+    o, lse = window_attention_torch(q, k, v, window, sinks, scale=0.7, cu_seqlens=cu)
+    o_d, lse_d = direct(q, k, v, window, sinks, 0.7, seqs)
+    assert rel(o, o_d) < 1e-6 and rel(lse, lse_d) < 1e-6
+
+
+@pytest.mark.parametrize("window", [24, 100])
+def test_reference_full_window_is_causal_attention(window):
+    # window >= T, no sinks: plain causal softmax attention (GQA through repeated kv heads)
+    q, k, v, *_ = make_inputs(2, 24, 4, 2, 16)
+    o, lse = window_attention_torch(q, k, v, window)
+    ref = F.scaled_dot_product_attention(q.transpose(1, 2), k.repeat_interleave(2, 2).transpose(1, 2),
+                                         v.repeat_interleave(2, 2).transpose(1, 2), is_causal=True)
+    assert rel(o, ref.transpose(1, 2)) < 1e-6
+    s = torch.einsum("bihd,bjhd->bhij", q, k.repeat_interleave(2, 2)) / 4.0
+    s = s.masked_fill(~torch.ones(24, 24, dtype=torch.bool).tril(), float("-inf"))
+    assert rel(lse, torch.logsumexp(s, -1).transpose(1, 2)) < 1e-6
+
+
+def test_reference_window_one_is_the_value_itself():
+    q, k, v, *_ = make_inputs(1, 11, 2, 2, 8)
+    o, lse = window_attention_torch(q, k, v, 1, scale=0.5)
+    assert rel(o, v) < 1e-6
+    assert rel(lse, 0.5 * (q * k).sum(-1)) < 1e-6
+
+
+# ----------------------------------------------------------------------------- the kernels
+
+def compare(B, T, H, Hkv, D, window, sinks, seqs=None, dtype=torch.float32, tiles=None,
+            grads=("o", "lse"), tol=None, scale=None, device=DEVICE):
+    """Kernels vs the float32 reference on the same (rounded) inputs; returns the errors."""
+    q, k, v, do, dlse = make_inputs(B, T, H, Hkv, D, dtype, device)
+    cu = _cu(seqs, device) if seqs else None
+    xs = [x.clone().requires_grad_() for x in (q, k, v)]
+    rs = [x.float().requires_grad_() for x in (q, k, v)]
+    o, lse = fused_window_attention(*xs, window, sinks, scale=scale, cu_seqlens=cu, _overrides=tiles)
+    o_r, lse_r = window_attention_torch(*rs, window, sinks, scale=scale, cu_seqlens=cu)
+    assert o.dtype == dtype and lse.dtype == torch.float32
+    assert o.shape == (B, T, H, D) and lse.shape == (B, T, H)
+    errs = {"o": rel(o, o_r), "lse": rel(lse, lse_r)}
+    outs = [(o, do), (lse, dlse)] if grads == ("o", "lse") else \
+        [(o, do)] if grads == ("o",) else [(lse, dlse)]
+    refs = [(o_r, do.float()), (lse_r, dlse)] if grads == ("o", "lse") else \
+        [(o_r, do.float())] if grads == ("o",) else [(lse_r, dlse)]
+    got = torch.autograd.grad([x for x, _ in outs], xs, [g for _, g in outs])
+    # lse alone does not depend on v: its reference gradient is None, the kernels' zeros
+    want = torch.autograd.grad([x for x, _ in refs], rs, [g for _, g in refs], allow_unused=True)
+    for name, a, b in zip(("dq", "dk", "dv"), got, want):
+        assert a.dtype == dtype
+        if b is None:
+            assert not a.any(), name
+            continue
+        errs[name] = rel(a, b)
+    tol = TOL[dtype] if tol is None else tol
+    # lse comes from fp32-accumulated products of the same rounded q and k in every dtype
+    bad = {n: e for n, e in errs.items() if not e <= (min(tol, 1e-4) if n == "lse" else tol)}
+    # (not e <= tol: NaN fails too)
+    assert not bad, f"errors above {tol}: {bad} (all: {errs})"
+    return errs
+
+
+@needs_kernels
+@pytest.mark.parametrize("T", [1, 37, 130])
+def test_lengths(T):
+    compare(B=2, T=T, H=2, Hkv=1, D=32, window=8, sinks=4)
+
+
+@needs_kernels
+@pytest.mark.parametrize("window,sinks", [(1, 0), (1, 4), (5, 0), (5, 4), (64, 4)])
+def test_windows_and_sinks(window, sinks):
+    # window 64 > T = 37: everything before the query is in the window (sinks change nothing)
+    compare(B=1, T=37, H=2, Hkv=1, D=32, window=window, sinks=sinks)
+
+
+@needs_kernels
+@pytest.mark.parametrize("D", [48, 80])
+def test_head_dims(D):
+    compare(B=1, T=37, H=2, Hkv=2, D=D, window=6, sinks=4)
+
+
+@needs_kernels
+def test_gqa_small_tiles():
+    # tiles of 16: the window spans several key blocks, dk/dv programs walk several query
+    # blocks for each of the group's heads, and 20 sinks fill two sink tiles
+    compare(B=1, T=70, H=4, Hkv=2, D=32, window=20, sinks=4, tiles=dict(BM=16, BN=16))
+    compare(B=1, T=60, H=4, Hkv=2, D=16, window=5, sinks=20, tiles=dict(BM=16, BN=16, BS=16))
+
+
+@needs_kernels
+@pytest.mark.parametrize("sinks", [0, 4])
+def test_varlen(sinks):
+    # documents shorter than the window, one of a single token, one spanning several tiles
+    compare(B=1, T=60, H=4, Hkv=2, D=32, window=8, sinks=sinks, seqs=[5, 1, 37, 6, 1, 10],
+            tiles=dict(BM=16, BN=16))
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_dtypes(dtype):
+    compare(B=1, T=45, H=4, Hkv=2, D=48, window=7, sinks=4, seqs=[20, 1, 24], dtype=dtype,
+            tiles=dict(BM=16, BN=16))
+
+
+@needs_kernels
+def test_bf16_default_tiles():
+    # the launch plan's own tiles (64) at a padded head dim, GQA, a window of a whole tile
+    compare(B=2, T=130, H=4, Hkv=2, D=80, window=64, sinks=4, dtype=torch.bfloat16)
+
+
+@needs_kernels
+@pytest.mark.parametrize("grads", [("o",), ("lse",)])
+def test_one_output_gradient(grads):
+    # autograd hands None for the output without a gradient
+    compare(B=1, T=37, H=2, Hkv=1, D=32, window=6, sinks=4, grads=grads, scale=0.3)
+
+
+@needs_kernels
+def test_dispatch_and_backends():
+    q, k, v, *_ = make_inputs(1, 20, 2, 1, 16, device=DEVICE)
+    o_t, lse_t = gla_ops.window_attention(q, k, v, 4, 2, backend="triton")
+    o_r, lse_r = gla_ops.window_attention(q, k, v, 4, 2, backend="torch")
+    assert rel(o_t, o_r) < 1e-5 and rel(lse_t, lse_r) < 1e-5
+    with pytest.raises(ValueError, match="backend"):
+        gla_ops.window_attention(q, k, v, 4, backend="cuda")
+
+
+@pytest.mark.parametrize("backend", ["torch", pytest.param("triton", marks=needs_kernels)])
+def test_bad_inputs(backend):
+    q, k, v, *_ = make_inputs(1, 8, 4, 2, 16, device=DEVICE)
+    call = lambda *a, **kw: gla_ops.window_attention(*a, backend=backend, **kw)  # noqa: E731
+    cases = [((q, k, v, 0), {}, "window"), ((q, k, v, True), {}, "window"),
+             ((q, k, v, 2.0), {}, "window"), ((q, k, v, 4, -1), {}, "sinks"),
+             ((q, k[:, :5], v[:, :5], 4), {}, "k and v"), ((q, k, v[..., :8], 4), {}, "k and v"),
+             ((q[:, :, :3], k, v, 4), {}, "multiple"), ((q, k.half(), v.half(), 4), {}, "dtype"),
+             ((q[0], k, v, 4), {}, "4-D"), ((q, k, v, 4), {"scale": math.inf}, "scale"),
+             ((q.repeat(2, 1, 1, 1), k.repeat(2, 1, 1, 1), v.repeat(2, 1, 1, 1), 4),
+              {"cu_seqlens": _cu([8], DEVICE)}, "B == 1"),
+             ((q, k, v, 4), {"cu_seqlens": _cu([8], DEVICE).float()}, "cu_seqlens"),
+             ((q, k, v, 4), {"cu_seqlens": _cu([3, 4], DEVICE)}, "cu_seqlens")]
+    for args, kwargs, match in cases:
+        with pytest.raises(ValueError, match=match):
+            call(*args, **kwargs)
+
+
+# ----------------------------------------------------------------------------- GPU sizes
+
+gpu = pytest.mark.gpu
+
+
+@gpu
+@gpu_only
+@pytest.mark.parametrize("D", [64, 128])
+@pytest.mark.parametrize("window", [64, 128])
+def test_gpu_bf16(D, window):
+    compare(B=2, T=2048, H=16, Hkv=4, D=D, window=window, sinks=4, dtype=torch.bfloat16)
+
+
+@gpu
+@gpu_only
+def test_gpu_bf16_varlen():
+    compare(B=1, T=8192, H=16, Hkv=4, D=64, window=64, sinks=4, dtype=torch.bfloat16,
+            seqs=[4096, 1000, 31, 1, 3000, 64])
+
+
+@gpu
+@gpu_only
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_gpu_other_dtypes(dtype):
+    compare(B=1, T=2048, H=8, Hkv=2, D=80, window=100, sinks=4, dtype=dtype)
