@@ -78,6 +78,9 @@ _TRUST_HELP = ("Run Python code that a model or tokenizer folder ships (auto_map
 @click.option("--normalizer/--no-normalizer", default=True, show_default=True,
               help="Divide by the linear-attention denominator (needs softmax, hedgehog or hedgehog_pm).")
 @click.option("--rope/--no-rope", default=True, show_default=True, help="Keep RoPE on q and k.")
+@click.option("--rope-max-wavelength", type=click.FloatRange(0), default=0.0, show_default=True,
+              help="Rotate only the RoPE pairs whose wavelength is at most this many tokens (set it to the "
+                   "training length); the slower pairs stay unrotated. 0: rotate every pair.")
 @click.option("--state-heads", type=click.Choice(["kv", "query"]), default="kv", show_default=True,
               help="kv: query heads of a GQA group share one recurrent state; query: one state per query head "
                    "(own key feature map and gate; R times the state and its kernel work).")
@@ -90,13 +93,14 @@ _TRUST_HELP = ("Run Python code that a model or tokenizer folder ships (auto_map
 @click.option("--force", is_flag=True, help="Replace OUT if it exists.")
 @click.option("--trust-remote-code", is_flag=True, help=_TRUST_HELP)
 @_friendly
-def convert(source, out, gate, gate_rank, gate_init_decay, feature_map, normalizer, rope, state_heads, dtype,
-            max_shard_size, seed, report, force, trust_remote_code):
+def convert(source, out, gate, gate_rank, gate_init_decay, feature_map, normalizer, rope, rope_max_wavelength,
+            state_heads, dtype, max_shard_size, seed, report, force, trust_remote_code):
     """Convert SOURCE (a model folder, a .gguf file, a hub id, or smollm2-135m) into a GLA model in OUT."""
     from glaswap.convert import convert as run
 
     options = {"gate": gate, "gate_rank": gate_rank, "gate_init_decay": gate_init_decay,
-               "feature_map": feature_map, "normalizer": normalizer, "use_rope": rope, "state_heads": state_heads}
+               "feature_map": feature_map, "normalizer": normalizer, "use_rope": rope, "rope_max_wavelength": rope_max_wavelength,
+               "state_heads": state_heads}
     run(source, out, options=options, force=force, dtype=dtype, max_shard_size=max_shard_size, report=report,
         seed=seed, trust_remote_code=trust_remote_code, log=click.echo)
 
@@ -203,16 +207,52 @@ def recipes_cp(name, file, force):
 @click.option("--bos", is_flag=True,
               help="Put BOS (EOS if none) first and score every token, as lm-eval's loglikelihood_rolling "
                    "does with max_length = the context.")
+@click.option("--by-position", is_flag=True,
+              help="Also read each file in one pass with the teacher (up to its positions) and report both "
+                   "models' loss in doubling bins of absolute position (0-1K, 1K-2K, 2K-4K, ...), with a PNG.")
+@click.option("--first-bin", type=click.IntRange(1), default=1024, show_default=True,
+              help="Width of the first --by-position bin (tokens); each later bin doubles.")
 @_friendly
 def eval_(model, more_texts, texts, teacher, context, stride, max_tokens, batch_size, out, device, dtype,
-          trust_remote_code, bos):
+          trust_remote_code, bos, by_position, first_bin):
     """Perplexity and bits per byte of MODEL and its teacher on identical windows of text files,
     plus MODEL reading each file in one pass with its recurrent state (the "stateful" column)."""
     from glaswap.evaluate import evaluate
 
     evaluate(model, list(texts) + list(more_texts), teacher=teacher, context=context, stride=stride,
              max_tokens=max_tokens, batch_size=batch_size, out=out, device=device, dtype=dtype,
-             trust_remote_code=trust_remote_code, bos=bos, log=click.echo)
+             trust_remote_code=trust_remote_code, bos=bos, by_position=by_position, first_bin=first_bin,
+             log=click.echo)
+
+
+@main.command()
+@click.argument("model", type=click.Path())
+@click.option("--lengths", default="1K,2K,4K,8K,16K,32K", show_default=True,
+              help="Prompt lengths in tokens, comma-separated (K = 1024).")
+@click.option("--depths", default="0,0.25,0.5,0.75,1", show_default=True,
+              help="Where the key sits in the filler: 0 at the start, 1 just before the question.")
+@click.option("--trials", type=click.IntRange(1), default=2, show_default=True, help="Keys per length and depth.")
+@click.option("--teacher", default="auto", show_default=True,
+              help="auto: the source recorded in MODEL/glaswap.json; self: MODEL's own softmax attention; "
+                   "or a Hugging Face folder / .gguf file.")
+@click.option("--no-teacher", is_flag=True, help="Score MODEL alone.")
+@click.option("--seed", type=int, default=0, show_default=True, help="Seed of the keys.")
+@click.option("--out", type=click.Path(file_okay=False), default=None,
+              help="Folder for passkey.json and passkey.png (default: MODEL/eval).")
+@click.option("--device", default="auto", show_default=True, help="auto, cpu or cuda.")
+@click.option("--dtype", type=click.Choice(["auto", "float32", "bfloat16", "float16"]), default="auto",
+              show_default=True, help="auto: bfloat16 on CUDA, float32 on CPU.")
+@click.option("--trust-remote-code", is_flag=True, help=_TRUST_HELP)
+@_friendly
+def passkey(model, lengths, depths, trials, teacher, no_teacher, seed, out, device, dtype, trust_remote_code):
+    """Passkey retrieval of MODEL and its teacher: a 5-digit key stated once in filler text, asked
+    for at the end, answered by greedy decoding; accuracy by prompt length and key depth."""
+    from glaswap.generate import parse_contexts
+    from glaswap.passkey import parse_depths, passkey as run_passkey
+
+    run_passkey(model, lengths=parse_contexts(lengths), depths=parse_depths(depths), trials=trials,
+                teacher=None if no_teacher else teacher, seed=seed, out=out, device=device, dtype=dtype,
+                trust_remote_code=trust_remote_code, log=click.echo)
 
 
 @main.command()

@@ -22,6 +22,8 @@ import numpy as np
 import torch
 
 from glaswap.errors import GlaswapError
+from glaswap.longcontext import by_absolute_position, format_by_position, one_pass_nll, teacher_positions
+from glaswap.longcontext import plot_by_position as plot_absolute
 from glaswap.runtime import (atomic_write, check_model_folder, load_student, load_teacher, load_tokenizer,
                              pick_device, pick_dtype, teacher_source, versions)
 from glaswap.scoring import token_kl, token_nll
@@ -189,7 +191,25 @@ def _score_stateful(docs, student, chunk, device, bar):
                 nll[1:ids.shape[1]] = token_nll(logits[:-1], ids[0, 1:]).cpu().numpy()
             last = logits[-1:]
             bar.update(ids.shape[1])
+        d.onepass = nll
         d.nll["stateful"][d.scored] = nll[d.scored]
+
+
+def _score_teacher_one_pass(docs, student, teacher, device, bar) -> tuple[list[np.ndarray], int]:
+    """The teacher reads each document's first `max positions` tokens in one forward pass."""
+    limit = teacher_positions(teacher, student)
+    bar.set_description("teacher one-pass")
+    out = []
+    for d in docs:
+        ids = d.ids[:limit]
+        if teacher is None:
+            with student.attention_mode("softmax"):
+                nll = one_pass_nll(student, ids, device)
+        else:
+            nll = one_pass_nll(teacher, ids, device)
+        out.append(np.concatenate([nll, np.full(len(d) - len(ids), np.nan)]))
+        bar.update(len(ids))
+    return out, limit
 
 
 def _summary(nll_sum, tokens, nbytes):
@@ -236,7 +256,7 @@ def _by_position(docs, context) -> dict:
 def evaluate(model_dir, texts, teacher: str = "auto", context: int = 512, stride: int | None = None,
              max_tokens: int | None = None, batch_size: int = 1, out=None, device: str = "auto",
              dtype: str = "auto", progress: bool = True, trust_remote_code: bool = False, log=print,
-             bos: bool = False) -> dict:
+             bos: bool = False, by_position: bool = False, first_bin: int = 1024) -> dict:
     """Evaluate a glaswap model against its teacher on text files; returns every figure.
 
     teacher: "auto" (the source recorded in glaswap.json), "self" (the model's own softmax
@@ -245,6 +265,9 @@ def evaluate(model_dir, texts, teacher: str = "auto", context: int = 512, stride
     bos: put BOS first and score every token, as lm-eval's loglikelihood_rolling does with
     max_length = context (see Document).
     Writes a JSON file and a PNG of the loss by position to `out` (default MODEL/eval).
+    by_position: also read each document in one pass with the teacher (up to its positions) and
+    report both models' loss in doubling bins of absolute position, the first `first_bin` wide
+    (glaswap.longcontext), with its own PNG.
     trust_remote_code: run Python code that the tokenizer's or the teacher's folder ships.
     """
     from tqdm.auto import tqdm
@@ -261,6 +284,8 @@ def evaluate(model_dir, texts, teacher: str = "auto", context: int = 512, stride
         raise GlaswapError(f"--max-tokens {max_tokens} is too small; use at least 2")
     if not texts:
         raise GlaswapError("no text files given; pass --text FILE [FILE ...]")
+    if first_bin < 1:
+        raise GlaswapError(f"--first-bin {first_bin} must be at least 1 token")
     meta = check_model_folder(model_dir)
     contents = [(p, read_text_file(p)) for p in texts]   # all bad input is reported before any loading
     t_kind, t_path, t_desc = teacher_source(model_dir, meta, teacher)
@@ -281,11 +306,13 @@ def evaluate(model_dir, texts, teacher: str = "auto", context: int = 512, stride
                                f"model's ({student.config.vocab_size}); pass the model it was converted from")
 
     window_tokens = sum(end - begin for d in docs for begin, end, _ in d.windows)
-    total = 2 * window_tokens + sum(len(d) for d in docs)
+    total = 2 * window_tokens + sum(len(d) for d in docs) * (2 if by_position else 1)
     t0 = time.time()
     with tqdm(total=total, unit="tok", unit_scale=True, disable=not progress, dynamic_ncols=True) as bar:
         _score_windows(docs, student, teacher_model, batch_size, dev, bar)
         _score_stateful(docs, student, context * batch_size, dev, bar)
+        if by_position:
+            teacher_nll, limit = _score_teacher_one_pass(docs, student, teacher_model, dev, bar)
     seconds = time.time() - t0
 
     result = {
@@ -296,6 +323,7 @@ def evaluate(model_dir, texts, teacher: str = "auto", context: int = 512, stride
         "files": [_file_figures(d) for d in docs],
         "overall": _overall(docs),
         "by_position": _by_position(docs, context + bos),   # with bos a window predicts `context` tokens
+        "by_absolute_position": by_absolute_position(docs, first_bin, teacher_nll, limit) if by_position else None,
         "seconds": round(seconds, 2),
         "tokens_per_second": round(total / max(seconds, 1e-9), 1),
         "load_seconds": round(t0 - started, 2),
@@ -306,8 +334,12 @@ def evaluate(model_dir, texts, teacher: str = "auto", context: int = 512, stride
     has_plot = importlib.util.find_spec("matplotlib") is not None
     result["outputs"] = {"json": str(out / f"{name}.json"),
                          "png": str(out / f"{name}.png") if has_plot else "(no PNG: pip install matplotlib)"}
+    if by_position and has_plot:
+        result["outputs"]["positions_png"] = str(out / f"{name}-positions.png")
     _write_outputs(result, out, name, has_plot)
     log(format_table(result))
+    if by_position:
+        log(format_by_position(result["by_absolute_position"]))
     log(f"wrote {result['outputs']['json']} and {result['outputs']['png']}")
     return result
 
@@ -350,6 +382,11 @@ def _write_outputs(result, out: Path, name: str, plot: bool = True):
                       lambda p: p.write_text(json.dumps(result, indent=2, allow_nan=False) + "\n"))
         if plot:
             atomic_write(out / f"{name}.png", lambda p: plot_by_position(result, p))
+            if result.get("by_absolute_position"):
+                title = (f"{Path(result['model']).name}: loss by absolute position "
+                         f"({result['overall']['tokens']} tokens)")
+                atomic_write(out / f"{name}-positions.png",
+                             lambda p: plot_absolute(result["by_absolute_position"], title, p))
     except OSError as e:
         raise GlaswapError(f"could not write the results to {out} ({e.strerror or e}); pass --out DIR "
                            f"to a writable folder")

@@ -21,7 +21,8 @@ from glaswap.models.configuration_glaswap import GLA_OPTIONS
 # `glaswap convert`'s flag for each GLA option it can set (glaswap/cli.py).
 CONVERT_FLAGS = {"gate": "--gate", "gate_rank": "--gate-rank", "gate_init_decay": "--gate-init-decay",
                  "feature_map": "--feature-map", "normalizer": ("--normalizer", "--no-normalizer"),
-                 "use_rope": ("--rope", "--no-rope"), "state_heads": "--state-heads"}
+                 "use_rope": ("--rope", "--no-rope"), "rope_max_wavelength": "--rope-max-wavelength",
+                 "state_heads": "--state-heads"}
 
 
 def new_modules(new_names) -> list[str]:

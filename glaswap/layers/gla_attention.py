@@ -40,6 +40,35 @@ def state_heads(config):
     return config.num_key_value_heads
 
 
+def rope_inv_freq(config):
+    """(inverse frequencies [head_dim / 2 or fewer], attention scaling) of the config's RoPE."""
+    rope = dict(config.rope_parameters)
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if rope_type == "default":
+        dim = int(config.head_dim * rope.get("partial_rotary_factor", 1.0))
+        inv_freq = 1.0 / (rope["rope_theta"] ** (torch.arange(0, dim, 2, dtype=torch.float) / dim))
+        return inv_freq, 1.0
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS  # llama3, linear, yarn, ...
+
+    return ROPE_INIT_FUNCTIONS[rope_type](config, None)
+
+
+def rope_kept_dims(config):
+    """Which of the head's dimensions the GLA path rotates: bool [head_dim], or None for all.
+
+    A pair whose wavelength exceeds the training length never turns through a full circle in
+    training, so past that length it shows the feature maps angles they never saw, and the
+    model's loss climbs with absolute position. Pairs with wavelength <= rope_max_wavelength
+    have shown every angle in training; the rest stay unrotated (angle 0 at every position)."""
+    if not config.use_rope or not config.rope_max_wavelength:
+        return None
+    inv_freq, _ = rope_inv_freq(config)
+    keep = (2 * math.pi / inv_freq) <= config.rope_max_wavelength
+    half = config.head_dim // 2
+    keep = torch.cat([keep, keep.new_zeros(half - keep.numel())]) if keep.numel() < half else keep
+    return torch.cat([keep, keep])                    # rotate_half pairs dimension j with j + D/2
+
+
 class RMSNorm(nn.Module):
     """Llama's RMSNorm: normalise in float32, scale in the input dtype."""
 
@@ -111,6 +140,7 @@ class GLAAttention(nn.Module):
             self.gate_up = nn.Linear(config.gate_rank, self.num_state_heads * self.head_dim, bias=True)
         elif config.gate == "scalar":
             self.gate_proj = nn.Linear(self.hidden_size, self.num_state_heads, bias=True)
+        self._rope_keep = None   # rope_kept_dims as cos's dtype and device, made on first use
         self.q_map = FeatureMap(config.feature_map, self.num_heads, self.head_dim)
         self.k_map = FeatureMap(config.feature_map, self.num_state_heads, self.head_dim)
         for m in (getattr(self, n, None) for n in ("gate_down", "gate_up", "gate_proj")):
@@ -219,6 +249,12 @@ class GLAAttention(nn.Module):
         g = self._gate(x, k)
         k, v = self._per_state_head(k), self._per_state_head(v)
         cos, sin = position_embeddings if cfg.use_rope else (None, None)
+        if cos is not None and cfg.rope_max_wavelength:
+            keep = self._rope_keep
+            if keep is None or keep.device != cos.device or keep.dtype != cos.dtype:
+                # not a buffer: from_pretrained would leave a non-persistent one uninitialised
+                keep = self._rope_keep = rope_kept_dims(cfg).to(device=cos.device, dtype=cos.dtype)
+            cos, sin = cos * keep + (1 - keep), sin * keep     # unrotated pairs: cos 1, sin 0
         q = self.q_map(q, cos, sin, cfg.gla_backend)
         k = self.k_map(k, cos, sin, cfg.gla_backend)
         if attention_mask is not None and attention_mask.dim() == 2:

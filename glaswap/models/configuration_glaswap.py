@@ -17,6 +17,9 @@ GLA_OPTIONS = {
     "normalizer": (True, bool),
     "normalizer_eps": (1e-6, float),
     "use_rope": (True, bool),
+    # RoPE on the GLA path only for the pairs of dimensions whose wavelength (2 pi / frequency)
+    # is at most this many tokens; the slower pairs stay unrotated. 0: rotate every pair.
+    "rope_max_wavelength": (0.0, float),
     # kv: the query heads of a GQA group share one state (the teacher's KV heads); query: each
     # query head keeps its own state, with its own key feature map and gate (R times the memory).
     "state_heads": ("kv", ("kv", "query")),
@@ -44,6 +47,8 @@ def check_gla_options(opts):
                          "or turn the normalizer off")
     if not 0.0 < float(merged["gate_init_decay"]) < 1.0:
         raise ValueError(f"invalid gate_init_decay {merged['gate_init_decay']!r}; expected 0 < decay < 1")
+    if float(merged["rope_max_wavelength"]) < 0:
+        raise ValueError(f"invalid rope_max_wavelength {merged['rope_max_wavelength']!r}; expected >= 0 (0: every pair)")
     if int(merged["gate_rank"]) < 1 or float(merged["gate_normalizer"]) <= 0:
         raise ValueError("gate_rank must be >= 1 and gate_normalizer > 0")
 
@@ -84,6 +89,7 @@ class GLASwapConfig(PretrainedConfig):
         normalizer=True,
         normalizer_eps=1e-6,
         use_rope=True,
+        rope_max_wavelength=0.0,
         state_heads="kv",
         gla_backend="auto",
         **kwargs,
@@ -114,6 +120,7 @@ class GLASwapConfig(PretrainedConfig):
         self.normalizer = normalizer
         self.normalizer_eps = normalizer_eps
         self.use_rope = use_rope
+        self.rope_max_wavelength = rope_max_wavelength
         self.state_heads = state_heads
         self.gla_backend = gla_backend
         check_gla_options({k: getattr(self, k) for k in GLA_OPTIONS})

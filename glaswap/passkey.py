@@ -1,0 +1,208 @@
+"""`glaswap passkey`: can the model fetch a 5-digit key stated once, far back in its context?
+
+Each prompt is filler text with one sentence giving the key at a chosen depth (0: right
+after the opening line, 1: right before the question), then the question. The model
+answers by greedy decoding; it is right when the first number it writes is the key. The
+student reads the prompt in chunks with its recurrent state; the teacher reads it with its
+KV cache (or, for "self", the student's own softmax attention, recomputed every step).
+Accuracy by length and depth for both, as a table, JSON and a heatmap PNG.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import re
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from glaswap.errors import GlaswapError
+from glaswap.runtime import (atomic_write, check_model_folder, load_student, load_teacher, load_tokenizer,
+                             pick_device, pick_dtype, teacher_source, versions)
+
+INTRO = "There is a pass key hidden in this text. Find it and remember it, you will be asked for it."
+FILLER = " The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again."
+NEEDLE = " The pass key is {key}. Remember it. {key} is the pass key."
+QUESTION = " What is the pass key? The pass key is"
+ANSWER_TOKENS = 10        # enough for " 12345" under tokenizers that split digits
+
+
+def parse_depths(text: str) -> list[float]:
+    try:
+        depths = [float(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise GlaswapError(f"invalid --depths {text!r}; pass fractions between 0 and 1, e.g. 0,0.5,1")
+    if not depths or not all(0.0 <= d <= 1.0 for d in depths):
+        raise GlaswapError(f"invalid --depths {text!r}; each depth is a fraction between 0 and 1")
+    return depths
+
+
+def build_prompt(tokenizer, length: int, depth: float, key: str) -> list[int]:
+    """Token ids of about `length` tokens (never more): the opening line, filler, the key at
+    `depth` of the filler, more filler, the question."""
+    def enc(text, first=False):
+        return tokenizer(text, add_special_tokens=first)["input_ids"]
+
+    intro, filler, needle, question = enc(INTRO, True), enc(FILLER), enc(NEEDLE.format(key=key)), enc(QUESTION)
+    room = length - len(intro) - len(needle) - len(question)
+    if room < 0:
+        raise GlaswapError(f"a passkey prompt needs at least {length - room} tokens with this tokenizer; "
+                           f"pass longer --lengths")
+    n = room // len(filler)
+    before = int(round(depth * n))
+    return intro + filler * before + needle + filler * (n - before) + question
+
+
+def answer_is_key(text: str, key: str) -> bool:
+    """Right when the first number in the answer is the key."""
+    m = re.search(r"\d+", text)
+    return m is not None and m.group(0) == key
+
+
+@torch.no_grad()
+def greedy_answer(model, ids: list[int], device, steps: int = ANSWER_TOKENS, chunk: int = 4096,
+                  recurrent: bool = True) -> list[int]:
+    """Greedy continuation of `ids`. recurrent: prefill in chunks through the model's cache
+    (a GLA student: constant memory), else one forward with the model's own cache, or (cache
+    False, softmax mode of a student) a full forward per step."""
+    x = torch.tensor([ids], device=device)
+    if recurrent:
+        from glaswap.models.modeling_glaswap import GLASwapCache
+
+        cache = GLASwapCache(model.config.num_hidden_layers)
+        for a in range(0, x.shape[1], chunk):
+            logits = model(input_ids=x[:, a:a + chunk], past_key_values=cache, use_cache=True, logits_to_keep=1).logits
+    else:  # a Hugging Face causal LM with its KV cache
+        out = model(input_ids=x, use_cache=True, logits_to_keep=1)
+        cache, logits = out.past_key_values, out.logits
+    new = []
+    for _ in range(steps):
+        token = logits[:, -1:].argmax(-1)
+        new.append(int(token))
+        logits = model(input_ids=token, past_key_values=cache, use_cache=True).logits
+    return new
+
+
+@torch.no_grad()
+def _greedy_no_cache(model, ids, device, steps=ANSWER_TOKENS):
+    x = torch.tensor([ids], device=device)
+    new = []
+    for _ in range(steps):
+        token = model(input_ids=x, use_cache=False, logits_to_keep=1).logits[:, -1:].argmax(-1)
+        new.append(int(token))
+        x = torch.cat([x, token], dim=1)
+    return new
+
+
+def passkey(model_dir, lengths=(1024, 2048, 4096, 8192, 16384, 32768), depths=(0.0, 0.25, 0.5, 0.75, 1.0),
+            trials: int = 2, teacher: str = "auto", seed: int = 0, out=None, device: str = "auto",
+            dtype: str = "auto", trust_remote_code: bool = False, log=print) -> dict:
+    """Passkey accuracy of MODEL and its teacher (teacher=None: the student alone) by length and
+    depth; writes JSON and a heatmap PNG to `out` (default MODEL/eval)."""
+    if trials < 1:
+        raise GlaswapError(f"--trials {trials} must be at least 1")
+    if not lengths or min(lengths) < 1:
+        raise GlaswapError("pass at least one length of 1 token or more")
+    model_dir = Path(model_dir)
+    meta = check_model_folder(model_dir)
+    dev = pick_device(device)
+    dt = pick_dtype(dtype, dev)
+    tok = load_tokenizer(model_dir, trust_remote_code)
+    student = load_student(model_dir, dev, dt)
+    student.set_attention_mode("gla")
+    t_desc, teacher_model = None, None
+    if teacher is not None:
+        t_kind, t_path, t_desc = teacher_source(model_dir, meta, teacher)
+        if t_kind != "self":
+            log(f"loading teacher {t_desc.get('spec', t_path)}")
+            teacher_model = load_teacher(t_kind, t_path, dev, dt, trust_remote_code)
+    rng = np.random.default_rng(seed)
+    keys = {(L, d): [str(k) for k in rng.integers(10000, 100000, size=trials)] for L in lengths for d in depths}
+    roles = ["student"] + (["teacher"] if teacher is not None else [])
+    cells = []
+    started = time.time()
+    for L in lengths:
+        for d in depths:
+            cell = {"length": L, "depth": d, "keys": keys[(L, d)]}
+            answers = {r: [] for r in roles}
+            for key in keys[(L, d)]:
+                ids = build_prompt(tok, L, d, key)
+                answers["student"].append(tok.decode(greedy_answer(student, ids, dev)))
+                if teacher is not None:
+                    if teacher_model is None:
+                        with student.attention_mode("softmax"):
+                            new = _greedy_no_cache(student, ids, dev)
+                    else:
+                        new = greedy_answer(teacher_model, ids, dev, recurrent=False)
+                    answers["teacher"].append(tok.decode(new))
+            cell["tokens"] = len(ids)
+            for r in roles:
+                cell[r] = {"accuracy": float(np.mean([answer_is_key(a, k) for a, k in zip(answers[r], cell["keys"])])),
+                           "answers": answers[r]}
+            cells.append(cell)
+            log(f"length {L} depth {d:g}: " + ", ".join(f"{r} {cell[r]['accuracy']:.2f}" for r in roles)
+                + f"  ({time.time() - started:.0f}s)")
+    result = {"model": str(model_dir), "teacher": t_desc, "lengths": list(lengths), "depths": list(depths),
+              "trials": trials, "seed": seed, "device": str(dev), "dtype": str(dt).replace("torch.", ""),
+              "cells": cells, "seconds": round(time.time() - started, 2), "versions": versions()}
+    out = Path(out) if out is not None else model_dir / "eval"
+    has_plot = importlib.util.find_spec("matplotlib") is not None
+    try:
+        atomic_write(out / "passkey.json", lambda p: p.write_text(json.dumps(result, indent=2) + "\n"))
+        if has_plot:
+            atomic_write(out / "passkey.png", lambda p: plot_passkey(result, p))
+    except OSError as e:
+        raise GlaswapError(f"could not write the results to {out} ({e.strerror or e}); pass --out DIR "
+                           f"to a writable folder")
+    log(format_passkey(result))
+    log(f"wrote {out / 'passkey.json'}" + (f" and {out / 'passkey.png'}" if has_plot else " (no PNG: pip install matplotlib)"))
+    return result
+
+
+def accuracy_grid(result: dict, role: str) -> np.ndarray:
+    """[lengths, depths] accuracy of one role."""
+    at = {(c["length"], c["depth"]): c[role]["accuracy"] for c in result["cells"]}
+    return np.array([[at[(L, d)] for d in result["depths"]] for L in result["lengths"]])
+
+
+def format_passkey(result: dict) -> str:
+    roles = [r for r in ("student", "teacher") if r in result["cells"][0]]
+    grids = {r: accuracy_grid(result, r) for r in roles}
+    head = ["length"] + [f"depth {d:g}" for d in result["depths"]] + ["mean"]
+    rows = [head]
+    for i, L in enumerate(result["lengths"]):
+        cells = ["/".join(f"{grids[r][i, j]:.2f}" for r in roles) for j in range(len(result["depths"]))]
+        rows.append([str(L)] + cells + ["/".join(f"{grids[r][i].mean():.2f}" for r in roles)])
+    widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
+    lines = ["  ".join(c.rjust(w) for c, w in zip(r, widths)) for r in rows]
+    lines.insert(1, "-" * len(lines[0]))
+    lines.append(f"passkey accuracy ({' / '.join(roles)}), {result['trials']} keys per cell, greedy")
+    return "\n".join(lines)
+
+
+def plot_passkey(result: dict, path: Path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    roles = [r for r in ("student", "teacher") if r in result["cells"][0]]
+    fig, axes = plt.subplots(1, len(roles), figsize=(4.5 * len(roles), 4), dpi=120, squeeze=False)
+    for ax, role in zip(axes[0], roles):
+        grid = accuracy_grid(result, role)
+        im = ax.imshow(grid, vmin=0, vmax=1, cmap="viridis", aspect="auto", origin="lower")
+        ax.set_xticks(range(len(result["depths"])), [f"{d:g}" for d in result["depths"]])
+        ax.set_yticks(range(len(result["lengths"])), [str(L) for L in result["lengths"]])
+        ax.set_xlabel("depth of the key")
+        ax.set_ylabel("prompt length (tokens)")
+        ax.set_title(f"{'GLA model' if role == 'student' else 'teacher'}: passkey accuracy", fontsize=10)
+        for i in range(grid.shape[0]):
+            for j in range(grid.shape[1]):
+                ax.text(j, i, f"{grid[i, j]:.2f}", ha="center", va="center",
+                        color="white" if grid[i, j] < 0.5 else "black", fontsize=8)
+    fig.colorbar(im, ax=axes[0].tolist(), shrink=0.8)
+    fig.savefig(path, format="png")
+    plt.close(fig)

@@ -1,0 +1,213 @@
+"""Long-context probes: `glaswap eval --by-position` and `glaswap passkey`, and the RoPE
+handling that keeps a converted model working past its training length."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from click.testing import CliRunner
+from helpers import save_teacher, tiny_teacher
+from test_eval import ascii_tokenizer, sample_text
+
+from glaswap.cli import main
+from glaswap.convert import convert
+from glaswap.errors import GlaswapError
+from glaswap.evaluate import evaluate
+from glaswap.layers.gla_attention import rope_kept_dims
+from glaswap.longcontext import bin_label, bin_means, position_bins
+from glaswap.models.configuration_glaswap import GLASwapConfig
+from glaswap.models.modeling_glaswap import GLASwapForCausalLM
+from glaswap.passkey import accuracy_grid, answer_is_key, build_prompt, format_passkey, parse_depths
+
+QUIET = dict(progress=False, log=lambda *_: None)
+TEACHER_POSITIONS = 160
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    """A tiny converted Llama (new parameters randomised) whose teacher has 160 positions."""
+    root = tmp_path_factory.mktemp("long")
+    teacher = tiny_teacher("llama")
+    teacher.config.max_position_embeddings = TEACHER_POSITIONS
+    src = save_teacher(teacher, root / "src")
+    out = root / "gla"
+    convert(str(src), out, report=False, log=lambda *_: None)
+    gla = GLASwapForCausalLM.from_pretrained(str(out), dtype=torch.float32)
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, p in gla.named_parameters():
+            if name in gla.new_parameter_names():
+                p.add_(0.3 * torch.randn(p.shape, generator=gen))
+    gla.save_pretrained(str(out))
+    ascii_tokenizer().save_pretrained(str(out))
+    return out
+
+
+# ----------------------------------------------------------------------------- arithmetic
+def test_position_bins_double_from_the_first():
+    assert position_bins(5000, 1024) == [(0, 1024), (1024, 2048), (2048, 4096), (4096, 5000)]
+    assert position_bins(1024, 1024) == [(0, 1024)]
+    assert position_bins(1, 1024) == [(0, 1)]
+    assert position_bins(10, 2) == [(0, 2), (2, 4), (4, 8), (8, 10)]
+    assert [bin_label(*b) for b in position_bins(4096, 1024)] == ["0-1K", "1K-2K", "2K-4K"]
+    with pytest.raises(ValueError):
+        position_bins(10, 0)
+
+
+def test_bin_means_pool_documents_and_skip_unscored_tokens():
+    a = np.array([np.nan, 1.0, 2.0, 3.0, 4.0])
+    b = np.array([np.nan, 3.0, np.nan])
+    got = bin_means([a, b], [(0, 2), (2, 4), (4, 8)])
+    assert got == [((1.0 + 3.0) / 2, 2), ((2.0 + 3.0) / 2, 2), (4.0, 1)]
+    assert bin_means([b], [(2, 4)]) == [(None, 0)]
+
+
+def test_passkey_scoring_takes_the_first_number():
+    assert answer_is_key(" 12345. Remember", "12345")
+    assert not answer_is_key(" 1234 5", "12345")
+    assert not answer_is_key(" 123456", "12345")
+    assert not answer_is_key(" the key", "12345")
+    assert not answer_is_key(" 99999 or 12345", "12345")
+    assert parse_depths("0, 0.5,1") == [0.0, 0.5, 1.0]
+    for bad in ("a,b", "1.5", ""):
+        with pytest.raises(GlaswapError, match="depths"):
+            parse_depths(bad)
+
+
+def test_passkey_prompt_puts_the_key_at_its_depth():
+    tok = ascii_tokenizer()
+    for depth in (0.0, 0.5, 1.0):
+        ids = build_prompt(tok, 600, depth, "31415")
+        text = "".join(map(chr, ids))
+        assert len(ids) <= 600 and len(ids) > 600 - 100
+        assert text.count("31415") == 2 and text.endswith("The pass key is")
+        at = text.index("The pass key is 31415") / len(text)
+        assert abs(at - depth) < 0.2, (depth, at)
+    assert "".join(map(chr, build_prompt(tok, 600, 0.0, "31415"))).index("31415") < 120
+    with pytest.raises(GlaswapError, match="at least"):
+        build_prompt(tok, 50, 0.5, "31415")
+
+
+def test_passkey_table_and_grid_from_a_hand_made_result():
+    cells = [{"length": L, "depth": d, "student": {"accuracy": acc}, "teacher": {"accuracy": 1.0}}
+             for L, d, acc in ((64, 0.0, 1.0), (64, 1.0, 0.5), (128, 0.0, 0.0), (128, 1.0, 0.5))]
+    result = {"lengths": [64, 128], "depths": [0.0, 1.0], "trials": 2, "cells": cells}
+    assert accuracy_grid(result, "student").tolist() == [[1.0, 0.5], [0.0, 0.5]]
+    table = format_passkey(result)
+    assert "1.00/1.00" in table and "0.00/1.00" in table and "0.75/1.00" in table  # mean of row 64
+
+
+# ----------------------------------------------------------------------------- eval --by-position
+def test_by_position_bins_match_independent_one_pass_losses(folder, tmp_path):
+    text = tmp_path / "doc.txt"
+    text.write_text(sample_text(400, seed=3), encoding="utf-8")
+    res = evaluate(folder, [text], teacher="self", context=64, out=tmp_path / "o", by_position=True, first_bin=32,
+                   **QUIET)
+    fig = res["by_absolute_position"]
+    assert [(b["lo"], b["hi"]) for b in fig["bins"]] == [(0, 32), (32, 64), (64, 128), (128, 256), (256, 400)]
+    assert fig["teacher_positions"] == TEACHER_POSITIONS
+
+    ids = torch.tensor([[ord(c) if ord(c) < 128 else 0 for c in text.read_text()]])
+    model = GLASwapForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
+    with torch.no_grad():
+        student = F.cross_entropy(model(input_ids=ids).logits[0, :-1], ids[0, 1:], reduction="none")
+        with model.attention_mode("softmax"):
+            t_ids = ids[:, :TEACHER_POSITIONS]
+            teacher = F.cross_entropy(model(input_ids=t_ids).logits[0, :-1], t_ids[0, 1:], reduction="none")
+    student = torch.cat([torch.tensor([float("nan")]), student]).numpy()
+    teacher = torch.cat([torch.tensor([float("nan")]), teacher]).numpy()
+    for b in fig["bins"]:
+        lo, hi = b["lo"], b["hi"]
+        assert b["student_one_pass"] == pytest.approx(np.nanmean(student[lo:hi]), abs=1e-4)
+        if lo < TEACHER_POSITIONS:
+            assert b["teacher_one_pass"] == pytest.approx(np.nanmean(teacher[lo:min(hi, TEACHER_POSITIONS)]), abs=1e-4)
+        else:
+            assert b["teacher_one_pass"] is None and b["teacher_tokens"] == 0
+    # windowed: windows of 64 restart the state, so past 64 the two columns differ
+    assert fig["bins"][0]["student_windowed"] == pytest.approx(fig["bins"][0]["student_one_pass"], abs=1e-4)
+    assert fig["bins"][3]["student_windowed"] != pytest.approx(fig["bins"][3]["student_one_pass"], abs=1e-4)
+    png = tmp_path / "o" / (json.loads(json.dumps(res["outputs"]))["positions_png"].split("/")[-1])
+    assert png.read_bytes()[:4] == b"\x89PNG"
+    saved = json.loads((tmp_path / "o" / res["outputs"]["json"].split("/")[-1]).read_text())
+    assert saved["by_absolute_position"]["bins"][-1]["hi"] == 400
+
+
+def test_cli_eval_by_position_prints_the_bins(folder, tmp_path):
+    text = tmp_path / "doc.txt"
+    text.write_text(sample_text(300, seed=4), encoding="utf-8")
+    r = CliRunner().invoke(main, ["eval", str(folder), "--text", str(text), "--teacher", "self", "--context", "64",
+                                  "--by-position", "--first-bin", "64", "--out", str(tmp_path / "o")])
+    assert r.exit_code == 0, r.output
+    assert "student one-pass" in r.output and "0-64" in r.output and "128-256" in r.output
+    r = CliRunner().invoke(main, ["eval", str(folder), "--text", str(text), "--by-position", "--first-bin", "0"])
+    assert r.exit_code != 0 and "first-bin" in r.output and "Traceback" not in r.output
+
+
+# ----------------------------------------------------------------------------- passkey
+def test_cli_passkey_writes_table_json_and_heatmap(folder, tmp_path):
+    r = CliRunner().invoke(main, ["passkey", str(folder), "--lengths", "200,300", "--depths", "0,1", "--trials", "2",
+                                  "--teacher", "self", "--out", str(tmp_path / "p")])
+    assert r.exit_code == 0, r.output
+    res = json.loads((tmp_path / "p" / "passkey.json").read_text())
+    assert [(c["length"], c["depth"]) for c in res["cells"]] == [(200, 0.0), (200, 1.0), (300, 0.0), (300, 1.0)]
+    for c in res["cells"]:
+        assert c["tokens"] <= c["length"]
+        for role in ("student", "teacher"):
+            # the random model's answers are scored as they are: the accuracy is what they give
+            expect = np.mean([answer_is_key(a, k) for a, k in zip(c[role]["answers"], c["keys"])])
+            assert c[role]["accuracy"] == expect and len(c[role]["answers"]) == 2
+    assert (tmp_path / "p" / "passkey.png").read_bytes()[:4] == b"\x89PNG"
+    again = CliRunner().invoke(main, ["passkey", str(folder), "--lengths", "200,300", "--depths", "0,1",
+                                      "--trials", "2", "--teacher", "self", "--out", str(tmp_path / "q")])
+    assert json.loads((tmp_path / "q" / "passkey.json").read_text())["cells"][0]["keys"] == res["cells"][0]["keys"]
+
+
+def test_passkey_student_answers_match_a_plain_greedy_loop(folder):
+    """The chunked recurrent prefill answers as one full forward per step would."""
+    from glaswap.passkey import _greedy_no_cache, greedy_answer
+
+    model = GLASwapForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
+    ids = build_prompt(ascii_tokenizer(), 260, 0.5, "27182")
+    assert greedy_answer(model, ids, torch.device("cpu"), steps=5, chunk=64) == \
+        _greedy_no_cache(model, ids, torch.device("cpu"), steps=5)
+
+
+def test_cli_passkey_bad_lengths_are_one_line(folder):
+    r = CliRunner().invoke(main, ["passkey", str(folder), "--lengths", "lots"])
+    assert r.exit_code != 0 and "invalid" in r.output and "Traceback" not in r.output
+    r = CliRunner().invoke(main, ["passkey", str(folder), "--lengths", "20", "--no-teacher"])
+    assert r.exit_code != 0 and "longer --lengths" in r.output
+
+
+# ----------------------------------------------------------------------------- RoPE on the GLA path
+def test_rope_kept_dims_keep_the_pairs_that_turn_within_the_wavelength():
+    cfg = GLASwapConfig(hidden_size=576, num_attention_heads=9, head_dim=64, rope_max_wavelength=2048.0,
+                        rope_parameters={"rope_type": "default", "rope_theta": 1e5})
+    keep = rope_kept_dims(cfg)
+    inv_freq = 1.0 / (1e5 ** (torch.arange(0, 64, 2).float() / 64))
+    expect = (2 * math.pi / inv_freq) <= 2048
+    assert keep[:32].tolist() == expect.tolist() and keep[32:].tolist() == expect.tolist()
+    assert 0 < int(expect.sum()) < 32
+    cfg.rope_max_wavelength = 0.0
+    assert rope_kept_dims(cfg) is None
+
+
+def test_slow_pairs_stay_unrotated_on_the_gla_path(folder):
+    """With rope_max_wavelength, the GLA path computes what it would with the slow pairs'
+    frequencies set to zero (angle 0 at every position)."""
+    plain = GLASwapForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
+    opt = GLASwapForCausalLM.from_pretrained(str(folder), dtype=torch.float32, rope_max_wavelength=40.0).eval()
+    zeroed = GLASwapForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
+    keep = rope_kept_dims(opt.config)
+    assert 0 < int(keep.sum()) < keep.numel()
+    ids = torch.randint(0, 128, (1, 50), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        zeroed.model.rotary_emb.inv_freq.mul_(keep[: keep.numel() // 2].float())
+        got, want, full = (m(input_ids=ids).logits for m in (opt, zeroed, plain))
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert (got - full).abs().max() > 1e-3                  # the option changes the model
