@@ -24,6 +24,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from glaswap.errors import GlaswapError
+from glaswap.runtime import umasked
 
 SAFE_INDEX = "model.safetensors.index.json"
 BIN_INDEX = "pytorch_model.bin.index.json"
@@ -178,6 +179,7 @@ def output_folder(out: Path, force: bool = False):
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
     try:
         yield tmp
+        _open_modes(tmp)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -188,6 +190,20 @@ def output_folder(out: Path, force: bool = False):
         shutil.rmtree(trash, ignore_errors=True)
     else:
         os.replace(tmp, out)
+
+
+def _open_modes(folder: Path):
+    """Folders 0755 and files 0644 (less the umask) throughout, as open() and mkdir() make them:
+    mkdtemp, and safetensors' own atomic writes, leave 0700 and 0600, which others and
+    containers cannot read."""
+    dir_mode, file_mode = umasked(0o777), umasked(0o666)
+    os.chmod(folder, dir_mode)
+    for root, dirs, files in os.walk(folder):
+        for name in dirs:
+            os.chmod(os.path.join(root, name), dir_mode)
+        for name in files:
+            if not os.path.islink(os.path.join(root, name)):
+                os.chmod(os.path.join(root, name), file_mode)
 
 
 # --------------------------------------------------------------------------- model code
