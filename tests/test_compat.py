@@ -233,7 +233,9 @@ def test_converted_folder_is_readable_by_others(tmp_path, umask022):
 def test_sdist_carries_license_and_test_helpers(tmp_path):
     """The sdist (built from the tracked files) has the LICENSE, the SPDX licence field, the
     Linux-only Triton requirement, and the tests' shared setup and builders."""
-    pytest.importorskip("setuptools.build_meta")
+    setuptools = pytest.importorskip("setuptools")
+    if int(setuptools.__version__.split(".")[0]) < 77:
+        pytest.skip("the SPDX licence field needs setuptools >= 77 (the build itself fetches it)")
     tracked = subprocess.run(["git", "ls-files"], cwd=REPO, capture_output=True, text=True)
     if tracked.returncode != 0:
         pytest.skip("not a git checkout")

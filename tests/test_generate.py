@@ -94,6 +94,7 @@ def _greedy(model, ids, mask=None, n=12, **kw):
 
 
 # ----------------------------------------------------------------------------- recurrent cache
+@pytest.mark.compat
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_prefill_then_steps_match_full_forward(folders, variant):
     model = _load(folders[variant])
@@ -116,6 +117,7 @@ def test_prefill_then_steps_match_full_forward(folders, variant):
     torch.testing.assert_close(inc[real], full[real], rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.compat
 @pytest.mark.parametrize("variant, mode", [("llama", "gla"), ("qwen3-key", "gla"), ("llama", "softmax")])
 def test_left_padded_forward_without_positions_matches_each_row_alone(folders, variant, mode):
     """Positions come from the attention mask: a left-padded row numbers its tokens from 0."""
@@ -129,6 +131,7 @@ def test_left_padded_forward_without_positions_matches_each_row_alone(folders, v
             torch.testing.assert_close(padded[i, -len(r):], alone, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.compat
 def test_left_padded_decode_without_positions_matches_each_row_alone(folders):
     model = _load(folders["llama"])
     rows = [list(range(5, 29)), list(range(40, 57))]
@@ -155,6 +158,7 @@ def test_a_mask_of_the_wrong_width_is_refused(folders):
             model(ids[:, :1], attention_mask=torch.ones(2, 4, dtype=torch.long), past_key_values=cache)
 
 
+@pytest.mark.compat
 @pytest.mark.parametrize("name", ["cache", "past_key_values"])
 def test_decode_takes_the_cache_under_either_name(folders, name):
     model = _load(folders["llama"])
@@ -168,6 +172,7 @@ def test_decode_takes_the_cache_under_either_name(folders, name):
     torch.testing.assert_close(torch.cat(steps, 1), full, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.compat
 def test_a_cache_under_a_foreign_name_is_refused(folders):
     model = _load(folders["llama"])
     ids = _prompts()
@@ -217,6 +222,7 @@ def test_cache_states_are_constant_size(folders, variant, rows):
     assert sizes[0] == sizes[1] == [(1, heads, rows * cfg.head_dim, cfg.head_dim + 1)] * 2
 
 
+@pytest.mark.compat
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_greedy_same_tokens_with_and_without_cache(folders, variant):
     model = _load(folders[variant])
@@ -227,6 +233,7 @@ def test_greedy_same_tokens_with_and_without_cache(folders, variant):
     assert torch.equal(with_cache, without)
 
 
+@pytest.mark.compat
 @pytest.mark.parametrize("variant", ["llama", "qwen3-key"])
 def test_left_padded_batch_matches_each_row_alone(folders, variant):
     model = _load(folders[variant])
@@ -238,6 +245,7 @@ def test_left_padded_batch_matches_each_row_alone(folders, variant):
         assert torch.equal(batch[i, ids.shape[1]:], alone[0, len(r):]), i
 
 
+@pytest.mark.compat
 def test_beam_search_reorders_the_cache(folders):
     model = _load(folders["llama"])
     ids, mask = _left_padded([[7, 33, 91, 12, 5], [44, 18, 70]])
@@ -247,6 +255,7 @@ def test_beam_search_reorders_the_cache(folders):
     assert with_cache.shape == (4, 5 + 8) and torch.equal(with_cache, without)
 
 
+@pytest.mark.compat
 def test_rolling_back_the_cache_fails_clearly(folders):
     model = _load(folders["llama"])
     cache = GLASwapCache(model.config.num_hidden_layers)
@@ -259,6 +268,7 @@ def test_rolling_back_the_cache_fails_clearly(folders):
                 **{CACHE_NAME: GLASwapCache(model.config.num_hidden_layers)})
 
 
+@pytest.mark.compat
 def test_generate_after_loading_without_glaswap(folders, tmp_path):
     folder = folders["llama"]
     model = _load(folder)
