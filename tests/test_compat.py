@@ -16,7 +16,7 @@ import warnings
 
 import pytest
 import torch
-from helpers import REPO, run_without_glaswap, save_teacher, tiny_teacher
+from helpers import REPO, run_without_glaswap, save_teacher, tiny_recipe, tiny_teacher
 
 import glaswap.models.modeling_glaswap as modeling
 from glaswap.convert import convert
@@ -194,6 +194,20 @@ print("paths", paths)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert (tmp_path / "decode_bench.json").is_file() and not (tmp_path / "decode_bench.png").exists()
     assert "no PNG: pip install matplotlib" in proc.stdout, proc.stdout
+
+
+@pytest.mark.xfail(strict=True, reason="glaswap/distill/train.py's _plot_losses imports matplotlib unguarded; "
+                   "once it skips the PNG like generate.write_bench does, remove this marker")
+def test_without_matplotlib_distill_finishes_without_the_loss_png(tmp_path):
+    recipe = tiny_recipe(tmp_path, s1=2, s2=2)
+    code = f"""
+from pathlib import Path
+from glaswap.distill import distill, load_recipe
+distill(load_recipe({str(recipe)!r}), out=Path({str(tmp_path / 'out')!r}), log=lambda *a, **k: None)
+"""
+    proc = _run_hiding(["matplotlib"], code, tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert (tmp_path / "out" / "model.safetensors").is_file() and not (tmp_path / "out" / "loss.png").exists()
 
 
 # ----------------------------------------------------------------------------- files
