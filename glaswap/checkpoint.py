@@ -30,7 +30,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from glaswap.errors import GlaswapError
-from glaswap.runtime import write_error
+from glaswap.runtime import umasked, write_error
 from glaswap.sources import readable_by_all
 
 SAFE_INDEX = "model.safetensors.index.json"
@@ -301,6 +301,7 @@ def output_folder(out: Path, force: bool = False):
     lock_file = tmp.with_name(tmp.name + ".lock")
     try:
         yield tmp
+        _open_modes(tmp)
         if force and out.exists():
             trash = tmp.with_name(tmp.name + ".old")
             os.replace(out, trash)
@@ -321,6 +322,20 @@ def output_folder(out: Path, force: bool = False):
     finally:
         lock_file.unlink(missing_ok=True)
         os.close(lock)
+
+
+def _open_modes(folder: Path):
+    """Folders 0755 and files 0644 (less the umask) throughout, as open() and mkdir() make them:
+    mkdtemp, and safetensors' own atomic writes, leave 0700 and 0600, which others and
+    containers cannot read."""
+    dir_mode, file_mode = umasked(0o777), umasked(0o666)
+    os.chmod(folder, dir_mode)
+    for root, dirs, files in os.walk(folder):
+        for name in dirs:
+            os.chmod(os.path.join(root, name), dir_mode)
+        for name in files:
+            if not os.path.islink(os.path.join(root, name)):
+                os.chmod(os.path.join(root, name), file_mode)
 
 
 # --------------------------------------------------------------------------- model code

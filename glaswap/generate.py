@@ -22,7 +22,7 @@ import torch
 
 from glaswap.errors import GlaswapError
 from glaswap.layers.gla_attention import feature_dim, state_heads
-from glaswap.models.modeling_glaswap import GLASwapCache
+from glaswap.models.modeling_glaswap import CACHE_NAME, GLASwapCache, cache_of
 from glaswap.runtime import (atomic_write, check_model_folder, load_student, load_teacher, load_tokenizer,
                              pick_device, pick_dtype, teacher_source, versions)
 
@@ -286,7 +286,7 @@ def time_decode(model, prompt, new_tokens: int, warmup: int = 2) -> dict:
     _reset_peak(device)
     t0 = time.perf_counter()
     out = model(input_ids=prompt, use_cache=True, logits_to_keep=1)
-    cache = out.past_key_values
+    cache = cache_of(out)
     token = out.logits[:, -1:].argmax(-1)
     _sync(device)
     prefill_s = time.perf_counter() - t0
@@ -294,11 +294,11 @@ def time_decode(model, prompt, new_tokens: int, warmup: int = 2) -> dict:
     del out
     _reset_peak(device)
     for _ in range(warmup):
-        token = model(input_ids=token, past_key_values=cache, use_cache=True).logits[:, -1:].argmax(-1)
+        token = model(input_ids=token, **{CACHE_NAME: cache}, use_cache=True).logits[:, -1:].argmax(-1)
     _sync(device)
     t0 = time.perf_counter()
     for _ in range(new_tokens):
-        token = model(input_ids=token, past_key_values=cache, use_cache=True).logits[:, -1:].argmax(-1)
+        token = model(input_ids=token, **{CACHE_NAME: cache}, use_cache=True).logits[:, -1:].argmax(-1)
     _sync(device)
     seconds = time.perf_counter() - t0
     peak = _peak_gib(device)
@@ -315,7 +315,7 @@ def check_decode_graph(model, prompt, steps: int = 8, backend: str = "cuda") -> 
     """Decode `steps` tokens after `prompt` eagerly and through the graph path from copies of
     the same cache (the graph path fed the eager tokens); how far apart are the logits?"""
     out = model(input_ids=prompt, use_cache=True, logits_to_keep=1)
-    eager_cache = out.past_key_values
+    eager_cache = cache_of(out)
     graph_cache = GLASwapCache(len(eager_cache))
     graph_cache.states = [s.clone() for s in eager_cache.states]
     graph_cache.seen_tokens = eager_cache.seen_tokens

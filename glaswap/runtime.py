@@ -207,6 +207,14 @@ def write_error(e: BaseException, out) -> GlaswapError | None:
     return GlaswapError(f"cannot write {out} ({WRITE_ERRORS[code]}); free some space or choose a writable folder")
 
 
+def umasked(mode: int) -> int:
+    """`mode` less the process umask: what open() and mkdir() give (0644 and 0755 under the usual
+    umask 022), where mkstemp and mkdtemp give 0600 and 0700, unreadable to others and containers."""
+    umask = os.umask(0)
+    os.umask(umask)
+    return mode & ~umask
+
+
 def atomic_write(path: Path, write):
     """write(tmp_path) then rename onto path, so a reader never sees half a file."""
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -214,6 +222,7 @@ def atomic_write(path: Path, write):
     os.close(fd)
     try:
         write(Path(tmp))
+        os.chmod(tmp, umasked(0o666))
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)

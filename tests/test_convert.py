@@ -20,6 +20,7 @@ def _load(folder):
     return GLASwapForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
 
 
+@pytest.mark.compat
 @pytest.mark.parametrize("arch", ARCHS)
 def test_convert_reload_without_glaswap(arch, tmp_path):
     teacher = tiny_teacher(arch, tie=arch == "qwen3")
@@ -65,6 +66,7 @@ assert diff == 0.0, diff
     assert "maxdiff 0.0" in proc.stdout
 
 
+@pytest.mark.compat
 def test_saved_code_loads_where_triton_is_missing(tmp_path):
     """transformers refuses remote code whose files import a missing package outside a try
     block; the saved kernels must import Triton inside one (gla_ops then falls back)."""

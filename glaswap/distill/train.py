@@ -19,6 +19,7 @@ set-up in student.py, the run folder's checkpoints and metrics in checkpoints.py
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import json
 import os
 import shutil
@@ -286,6 +287,9 @@ def _save_final(out, force, trained, tokenizer, recipe, run, meta, out_dtype, lo
 
 
 def _plot_losses(records, path: Path):
+    """loss.png; skipped without matplotlib (the `plots` extra): metrics.jsonl has the figures."""
+    if importlib.util.find_spec("matplotlib") is None:
+        return
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

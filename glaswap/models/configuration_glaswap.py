@@ -55,7 +55,7 @@ def check_gla_options(opts):
 
 class GLASwapConfig(PretrainedConfig):
     model_type = "glaswap"
-    keys_to_ignore_at_inference = ["past_key_values"]
+    keys_to_ignore_at_inference = ["past_key_values", "cache"]
 
     def __init__(
         self,

@@ -11,10 +11,14 @@ Copied into every saved model folder next to the layer and the kernels; loading 
 
 from __future__ import annotations
 
+import dataclasses
+import re
+import warnings
 from contextlib import contextmanager
 
 import torch
 import torch.nn.functional as F
+import transformers
 from torch import nn
 from transformers import GenerationMixin, PreTrainedModel
 from transformers.activations import ACT2FN
@@ -23,6 +27,68 @@ from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutpu
 
 from glaswap.layers.gla_attention import MODES, GLAAttention, RMSNorm
 from glaswap.models.configuration_glaswap import GLASwapConfig
+
+# The transformers releases (major, minor), inclusive, this code is tested with. A saved folder
+# is used without glaswap's install pins, so the code itself says when it runs outside them.
+TESTED_TRANSFORMERS = ((5, 17), (5, 24))
+# The keyword transformers hands the cache to forward() under, and the output field it reads it
+# back from: `cache` in releases whose outputs have that field, `past_key_values` before.
+CACHE_NAME = "cache" if "cache" in {f.name for f in dataclasses.fields(CausalLMOutputWithPast)} else "past_key_values"
+# Keywords other models take a cache under. One of them here means a caller meant to pass a
+# state that this model would otherwise drop, decoding without it.
+FOREIGN_CACHE_NAMES = ("cache_params", "state", "mems", "past_buckets_states", "layer_past", "past",
+                       "past_key_value", "cache_state", "recurrent_state")
+_version_warned = False
+
+
+def transformers_version_problem(version: str | None = None) -> str | None:
+    """One line when `version` (default: the installed transformers) is outside TESTED_TRANSFORMERS."""
+    version = version or transformers.__version__
+    m = re.match(r"(\d+)\.(\d+)", version)
+    (lo_major, lo_minor), (hi_major, hi_minor) = TESTED_TRANSFORMERS
+    if m and (lo_major, lo_minor) <= (int(m[1]), int(m[2])) <= (hi_major, hi_minor):
+        return None
+    return (f"this glaswap model code is tested with transformers {lo_major}.{lo_minor} to {hi_major}.{hi_minor} "
+            f"and runs under transformers {version}; if outputs look wrong, install a tested release: "
+            f"pip install 'transformers>={lo_major}.{lo_minor},<{hi_major}.{hi_minor + 1}'")
+
+
+def warn_untested_transformers():
+    """Warn once per process when the installed transformers is outside the tested range."""
+    global _version_warned
+    problem = transformers_version_problem()
+    if problem and not _version_warned:
+        _version_warned = True
+        warnings.warn(problem, stacklevel=3)
+
+
+def cache_of(output):
+    """The cache a forward returned, read under the field name of the installed transformers."""
+    return getattr(output, CACHE_NAME)
+
+
+def pick_cache(past_key_values, cache, kwargs):
+    """The cache passed under either name; a ValueError for two different ones or a foreign name."""
+    foreign = [k for k, v in kwargs.items() if k in FOREIGN_CACHE_NAMES or isinstance(v, Cache)]
+    if foreign:
+        raise ValueError(f"glaswap models take their cache as cache= or past_key_values=, not {foreign[0]}=; "
+                         f"pass it under one of those names")
+    if past_key_values is not None and cache is not None and past_key_values is not cache:
+        raise ValueError("both cache= and past_key_values= were passed, with different caches; pass one")
+    return cache if cache is not None else past_key_values
+
+
+def positions_from_mask(attention_mask, past, T):
+    """Position of each of the T new tokens from a [B, past + T] (or [B, T]) 0/1 mask: the count
+    of real tokens before it, so a left-padded row numbers its tokens as it would unpadded (what
+    generate() computes). Padding gets position 0; it never reaches the state."""
+    width = attention_mask.shape[1]
+    if width == past + T:
+        return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)[:, -T:]
+    if width == T:  # the mask of the new tokens only: earlier tokens are taken as unpadded
+        return past + (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+    raise ValueError(f"attention_mask has {width} columns but the input has {T} tokens after {past} cached ones; "
+                     f"pass a mask of {past + T} (or {T}) columns, or position_ids")
 
 
 class GLASwapCache(Cache):
@@ -163,7 +229,7 @@ class GLASwapPreTrainedModel(PreTrainedModel):
     base_model_prefix = "model"
     supports_gradient_checkpointing = True
     _no_split_modules = ["DecoderLayer"]
-    _skip_keys_device_placement = ["past_key_values"]
+    _skip_keys_device_placement = ["past_key_values", "cache"]
     _supports_sdpa = True
 
     @torch.no_grad()
@@ -185,6 +251,10 @@ class GLASwapPreTrainedModel(PreTrainedModel):
             # A non-persistent buffer: from_pretrained leaves it uninitialised otherwise.
             module.inv_freq.copy_(module.compute_inv_freq()[0])
 
+    def __init__(self, config, *args, **kwargs):
+        warn_untested_transformers()
+        super().__init__(config, *args, **kwargs)
+
     @classmethod
     def _supports_default_dynamic_cache(cls):
         return False  # the recurrent cache is made by forward() itself
@@ -201,7 +271,8 @@ class GLASwapModel(GLASwapPreTrainedModel):
         self.post_init()
 
     def forward(self, input_ids=None, attention_mask=None, position_ids=None, past_key_values=None,
-                inputs_embeds=None, use_cache=None, cu_seqlens=None, **kwargs):
+                inputs_embeds=None, use_cache=None, cu_seqlens=None, cache=None, **kwargs):
+        past_key_values = pick_cache(past_key_values, cache, kwargs)
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("pass exactly one of input_ids or inputs_embeds")
         if inputs_embeds is None:
@@ -218,6 +289,8 @@ class GLASwapModel(GLASwapPreTrainedModel):
         if position_ids is None:
             if cu_seqlens is not None:  # positions restart with every packed document
                 position_ids = positions_from_cu_seqlens(cu_seqlens, B, T, inputs_embeds.device)
+            elif attention_mask is not None and attention_mask.dim() == 2:
+                position_ids = positions_from_mask(attention_mask, past, T).to(inputs_embeds.device)
             else:
                 position_ids = torch.arange(past, past + T, device=inputs_embeds.device)[None]
         position_embeddings = self.rotary_emb(inputs_embeds, position_ids)
@@ -244,7 +317,7 @@ class GLASwapModel(GLASwapPreTrainedModel):
                 transfer_losses.append(loss)
         if past_key_values is not None:
             past_key_values.seen_tokens += T
-        out = BaseModelOutputWithPast(last_hidden_state=self.norm(hidden_states), past_key_values=past_key_values)
+        out = BaseModelOutputWithPast(last_hidden_state=self.norm(hidden_states), **{CACHE_NAME: past_key_values})
         if transfer_losses:
             out.transfer_losses = transfer_losses
         return out
@@ -289,12 +362,15 @@ class GLASwapForCausalLM(GLASwapPreTrainedModel, GenerationMixin):
 
     def forward(self, input_ids=None, attention_mask=None, position_ids=None, past_key_values=None,
                 inputs_embeds=None, labels=None, use_cache=None, logits_to_keep=0, cu_seqlens=None,
-                **kwargs):
+                cache=None, **kwargs):
+        past_key_values = pick_cache(past_key_values, cache, kwargs)
         runner = self.decode_runner
         if runner is not None and labels is None and runner.accepts(input_ids, inputs_embeds, past_key_values):
+            if position_ids is None and attention_mask is not None and attention_mask.dim() == 2:
+                position_ids = positions_from_mask(attention_mask, past_key_values.seen_tokens, 1)
             logits = runner.step(input_ids, position_ids, past_key_values)  # None: it could not, run eagerly
             if logits is not None:
-                return CausalLMOutputWithPast(logits=logits, past_key_values=past_key_values)
+                return CausalLMOutputWithPast(logits=logits, **{CACHE_NAME: past_key_values})
         out = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                          past_key_values=past_key_values, inputs_embeds=inputs_embeds,
                          use_cache=use_cache, cu_seqlens=cu_seqlens)
@@ -305,4 +381,4 @@ class GLASwapForCausalLM(GLASwapPreTrainedModel, GenerationMixin):
         if labels is not None:
             loss = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten(),
                                    ignore_index=-100)
-        return CausalLMOutputWithPast(loss=loss, logits=logits, past_key_values=out.past_key_values)
+        return CausalLMOutputWithPast(loss=loss, logits=logits, **{CACHE_NAME: cache_of(out)})
