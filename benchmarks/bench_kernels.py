@@ -373,6 +373,23 @@ def ptxas_report(overrides=None):
 # Main
 # ----------------------------------------------------------------------------------------
 
+def bench_device(dry_run: bool):
+    """"cpu" under --dry-run (the Triton interpreter, with the tests' bf16 fix), "cuda", or None
+    (said on stderr) without a GPU."""
+    if dry_run:
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+        # the tests' conftest fixes the interpreter's bf16 arithmetic; reuse it
+        import importlib.util
+        spec = importlib.util.spec_from_file_location(
+            "_glaswap_test_conftest", os.path.join(os.path.dirname(HERE), "tests", "conftest.py"))
+        spec.loader.exec_module(importlib.util.module_from_spec(spec))
+        return "cpu"
+    if not torch.cuda.is_available():
+        print("needs a CUDA GPU (or --dry-run)", file=sys.stderr)
+        return None
+    return "cuda"
+
+
 def _parse_sets(items):
     out = {}
     for item in items or []:
@@ -425,19 +442,9 @@ def main(argv=None):
     if args.fla_worker:
         fla_worker(args.fla_worker, args.quick)
         return 0
-    if DRY_RUN:
-        os.environ.setdefault("TRITON_INTERPRET", "1")
-        # the tests' conftest fixes the interpreter's bf16 arithmetic; reuse it
-        import importlib.util
-        spec = importlib.util.spec_from_file_location(
-            "_glaswap_test_conftest", os.path.join(os.path.dirname(HERE), "tests", "conftest.py"))
-        spec.loader.exec_module(importlib.util.module_from_spec(spec))
-        device = "cpu"
-    elif not torch.cuda.is_available():
-        print("needs a CUDA GPU (or --dry-run)", file=sys.stderr)
+    device = bench_device(DRY_RUN)
+    if device is None:
         return 2
-    else:
-        device = "cuda"
     gla_torch, gla_triton = _import_kernels()
     OVERRIDES.update(_parse_sets(args.set))
     import triton

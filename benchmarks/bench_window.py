@@ -22,6 +22,7 @@ import sys
 
 import torch
 import torch.nn.functional as F
+from bench_kernels import _parse_sets as parse_sets, bench_device  # same folder: run as a script
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 DRY_RUN = False
@@ -151,14 +152,6 @@ def time_sdpa(s, device):
     return bench(fwd_bwd)
 
 
-def _parse_sets(items):
-    out = {}
-    for item in items or []:
-        key, _, value = item.partition("=")
-        out[key] = int(value) if value.lstrip("-").isdigit() else value
-    return out
-
-
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--window", type=int, default=64)
@@ -170,22 +163,12 @@ def main(argv=None):
     ap.add_argument("--dry-run", action="store_true",
                     help="test this script on CPU (Triton interpreter, tiny shapes, rough timer)")
     args = ap.parse_args(argv)
-    args.overrides = _parse_sets(args.set)
+    args.overrides = parse_sets(args.set)
     global DRY_RUN
     DRY_RUN = args.dry_run
-    if DRY_RUN:
-        os.environ.setdefault("TRITON_INTERPRET", "1")
-        # the tests' conftest fixes the interpreter's bf16 arithmetic; reuse it
-        import importlib.util
-        spec = importlib.util.spec_from_file_location(
-            "_glaswap_test_conftest", os.path.join(os.path.dirname(HERE), "tests", "conftest.py"))
-        spec.loader.exec_module(importlib.util.module_from_spec(spec))
-        device = "cpu"
-    elif not torch.cuda.is_available():
-        print("needs a CUDA GPU (or --dry-run)", file=sys.stderr)
+    device = bench_device(DRY_RUN)
+    if device is None:
         return 2
-    else:
-        device = "cuda"
     gla_ops, window_torch, window_triton = _import_kernels()
     import triton
     name = torch.cuda.get_device_name() if device == "cuda" else "cpu (dry run)"

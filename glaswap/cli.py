@@ -78,9 +78,10 @@ _TRUST_HELP = ("Run Python code that a model or tokenizer folder ships (auto_map
 @click.option("--normalizer/--no-normalizer", default=True, show_default=True,
               help="Divide by the linear-attention denominator (needs softmax, hedgehog or hedgehog_pm).")
 @click.option("--rope/--no-rope", default=True, show_default=True, help="Keep RoPE on q and k.")
-@click.option("--rope-max-wavelength", type=click.FloatRange(0), default=0.0, show_default=True,
-              help="Rotate only the RoPE pairs whose wavelength is at most this many tokens (set it to the "
-                   "training length); the slower pairs stay unrotated. 0: rotate every pair.")
+@click.option("--rope-max-wavelength", type=click.FloatRange(0), default=2048.0, show_default=True,
+              help="Rotate only the RoPE pairs whose wavelength is at most this many tokens: the length you "
+                   "will train at (distill uses its data.seq_len); slower pairs stay unrotated, which keeps "
+                   "the model working past that length. 0: rotate every pair.")
 @click.option("--state-heads", type=click.Choice(["kv", "query"]), default="kv", show_default=True,
               help="kv: query heads of a GQA group share one recurrent state; query: one state per query head "
                    "(own key feature map and gate; R times the state and its kernel work).")

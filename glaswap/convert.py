@@ -117,6 +117,15 @@ def _out_dtype(requested: str, src: Source, src_config: dict):
     return DTYPES.get(name)  # None: keep each tensor's stored dtype
 
 
+# Defaults of a new conversion that differ from GLASwapConfig's, which keeps the value that
+# folders saved without the option were made with.
+#   rope_max_wavelength: RoPE's slow pairs never turn through a full circle inside the
+#   training length, so past it they show the feature maps unseen angles and the one-pass loss
+#   climbs with position; leaving them unrotated keeps it flat (benchmarks/README.md, Quality).
+#   2048 is the shipped GPU recipe's training length; `glaswap distill` uses data.seq_len.
+CONVERT_DEFAULTS = {"rope_max_wavelength": 2048.0}
+
+
 def convert(source: str, out, *, options: dict | None = None, force: bool = False, dtype: str = "auto",
             max_shard_size="2GB", report: bool = True, seed: int = 0, trust_remote_code: bool = False,
             log=print) -> dict:
@@ -124,7 +133,7 @@ def convert(source: str, out, *, options: dict | None = None, force: bool = Fals
     trust_remote_code: let the step-0 report run Python code that the tokenizer ships."""
     out = Path(out)
     check_out_path(out)
-    options = dict(options or {})
+    options = CONVERT_DEFAULTS | dict(options or {})
     try:
         check_gla_options(options)
     except ValueError as e:

@@ -104,3 +104,30 @@ def tiny_recipe(tmp_path, s1=4, s2=4, every=2, **extra):
     path = tmp_path / "tiny.yaml"
     path.write_text("# glaswap distill --recipe tiny.yaml\n" + yaml.safe_dump(recipe))
     return path
+
+
+def randomise_new_parameters(model, seed: int = 0, scale: float = 0.3):
+    """Move the gates and feature maps off their starting values (a converted model starts
+    data-independent), so that GLA differs from softmax and every path of the layer works."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name in model.new_parameter_names():
+                p.add_(scale * torch.randn(p.shape, generator=gen))
+
+
+def converted_tiny(root: Path, teacher=None, tokenizer=None) -> Path:
+    """root/gla: a tiny Llama (or `teacher`, saved to root/src) converted, its new parameters
+    randomised, with `tokenizer` saved beside it when given."""
+    from glaswap.convert import convert
+    from glaswap.models.modeling_glaswap import GLASwapForCausalLM
+
+    src = save_teacher(teacher if teacher is not None else tiny_teacher("llama"), root / "src")
+    out = root / "gla"
+    convert(str(src), out, report=False, log=lambda *_: None)
+    model = GLASwapForCausalLM.from_pretrained(str(out), dtype=torch.float32)
+    randomise_new_parameters(model)
+    model.save_pretrained(str(out))
+    if tokenizer is not None:
+        tokenizer.save_pretrained(str(out))
+    return out

@@ -16,7 +16,7 @@ import warnings
 
 import pytest
 import torch
-from helpers import REPO, run_without_glaswap, save_teacher, tiny_recipe, tiny_teacher
+from helpers import REPO, converted_tiny, run_without_glaswap, save_teacher, tiny_recipe, tiny_teacher
 
 import glaswap.models.modeling_glaswap as modeling
 from glaswap.convert import convert
@@ -27,18 +27,7 @@ from glaswap.runtime import atomic_write, umasked
 @pytest.fixture(scope="module")
 def folder(tmp_path_factory):
     """A converted tiny Llama whose gates and feature maps are randomised (so decoding does real work)."""
-    root = tmp_path_factory.mktemp("compat")
-    src = save_teacher(tiny_teacher("llama"), root / "src")
-    out = root / "gla"
-    convert(str(src), out, report=False, log=lambda *_: None)
-    model = GLASwapForCausalLM.from_pretrained(str(out), dtype=torch.float32)
-    gen = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name in model.new_parameter_names():
-                p.add_(0.3 * torch.randn(p.shape, generator=gen))
-    model.save_pretrained(str(out))
-    return out
+    return converted_tiny(tmp_path_factory.mktemp("compat"))
 
 
 def _case(folder, tmp_path):

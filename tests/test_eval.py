@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from click.testing import CliRunner
-from helpers import save_teacher, tiny_teacher
+from helpers import randomise_new_parameters, save_teacher, tiny_teacher
 
 from glaswap.cli import main
 from glaswap.convert import convert
@@ -52,11 +52,7 @@ def model(tmp_path_factory):
     folder = root / "gla"
     convert(str(src), folder, report=False, log=lambda *_: None)
     gla = GLASwapForCausalLM.from_pretrained(str(folder), dtype=torch.float32)
-    gen = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for name, p in gla.named_parameters():
-            if name in gla.new_parameter_names():
-                p.add_(0.3 * torch.randn(p.shape, generator=gen))
+    randomise_new_parameters(gla)
     gla.save_pretrained(str(folder))
     ascii_tokenizer().save_pretrained(str(folder))
     return folder, teacher, gla.eval()

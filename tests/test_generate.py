@@ -11,7 +11,7 @@ import os
 import pytest
 import torch
 from click.testing import CliRunner
-from helpers import run_without_glaswap, save_teacher, tiny_teacher
+from helpers import randomise_new_parameters, run_without_glaswap, save_teacher, tiny_teacher
 
 from glaswap.cli import main
 from glaswap.convert import convert
@@ -41,16 +41,6 @@ def ascii_tokenizer():
     return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="\x00", pad_token="\x00", eos_token="\x03")
 
 
-def _randomise_new_parameters(model, seed=0):
-    """Conversion starts the gates data-independent; make them data-dependent so decoding is tested
-    with every path of the layer doing real work."""
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name in model.new_parameter_names():
-                p.add_(0.3 * torch.randn(p.shape, generator=gen))
-
-
 @pytest.fixture(scope="module")
 def folders(tmp_path_factory):
     """Converted tiny models (new parameters randomised) with a tokenizer, one per variant."""
@@ -61,7 +51,7 @@ def folders(tmp_path_factory):
         folder = root / name
         convert(str(src), folder, options=options, report=False, log=lambda *_: None)
         model = GLASwapForCausalLM.from_pretrained(str(folder), dtype=torch.float32)
-        _randomise_new_parameters(model)
+        randomise_new_parameters(model)
         model.save_pretrained(str(folder))
         ascii_tokenizer().save_pretrained(str(folder))
         out[name] = folder

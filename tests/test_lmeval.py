@@ -11,15 +11,12 @@ import sys
 
 import numpy as np
 import pytest
-import torch
-from helpers import save_teacher, tiny_teacher
+from helpers import converted_tiny
 
 from click.testing import CliRunner
 
 from glaswap.cli import main
-from glaswap.convert import convert
 from glaswap.evaluate import evaluate, windows
-from glaswap.models.modeling_glaswap import GLASwapForCausalLM
 
 CONTEXT = 32   # lm-eval's max_length; documents below span several windows and a partial last one
 DOCS = [
@@ -44,18 +41,7 @@ def ascii_tokenizer():
 @pytest.fixture(scope="module")
 def folder(tmp_path_factory):
     """A tiny converted Llama with moved gates and feature maps (so GLA differs from softmax)."""
-    root = tmp_path_factory.mktemp("lmeval")
-    out = root / "gla"
-    convert(str(save_teacher(tiny_teacher("llama"), root / "src")), out, report=False, log=lambda *_: None)
-    gla = GLASwapForCausalLM.from_pretrained(str(out), dtype=torch.float32)
-    gen = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for name, p in gla.named_parameters():
-            if name in gla.new_parameter_names():
-                p.add_(0.3 * torch.randn(p.shape, generator=gen))
-    gla.save_pretrained(str(out))
-    ascii_tokenizer().save_pretrained(str(out))
-    return out
+    return converted_tiny(tmp_path_factory.mktemp("lmeval"), tokenizer=ascii_tokenizer())
 
 
 def _lm_eval(folder, tmp_path) -> tuple[list[float], float]:

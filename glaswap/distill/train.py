@@ -211,7 +211,9 @@ def _prepare_run_folder(run: Path, recipe: Recipe, resume: bool, force: bool, tr
     (run / "recipe.yaml").write_text(resolved)
     if not (run / "converted" / "glaswap.json").is_file():
         shutil.rmtree(run / "converted", ignore_errors=True)
-        convert(recipe.model.source, run / "converted", options=recipe.model.options,
+        # RoPE's slow pairs unrotated past the training length unless the recipe says otherwise
+        options = {"rope_max_wavelength": float(recipe.data.seq_len)} | recipe.model.options
+        convert(recipe.model.source, run / "converted", options=options,
                 seed=recipe.model.seed, trust_remote_code=trust_remote_code, log=log)
 
 
