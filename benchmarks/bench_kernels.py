@@ -46,20 +46,25 @@ SEED_FB_MS = {"8x2048 H32 D64": 3.39, "4x4096 H32 D64": 3.93, "2x8192 H32 D64": 
 OVERRIDES: dict = {}
 
 
-def _import_kernels():
+def kernel_modules(*names):
+    """glaswap_kernels' modules `names`; without glaswap installed, kernels/ of this checkout
+    loaded under its package name."""
+    import importlib
     try:
-        from glaswap_kernels import gla_torch, gla_triton
-    except ImportError:           # not installed: load kernels/ under its package name
+        import glaswap_kernels  # noqa: F401
+    except ImportError:
         import importlib.util
         root = os.path.join(os.path.dirname(HERE), "kernels")
         spec = importlib.util.spec_from_file_location(
             "glaswap_kernels", os.path.join(root, "__init__.py"), submodule_search_locations=[root])
         pkg = importlib.util.module_from_spec(spec)
         sys.modules["glaswap_kernels"] = pkg
-        if os.path.exists(os.path.join(root, "__init__.py")):
-            spec.loader.exec_module(pkg)
-        from glaswap_kernels import gla_torch, gla_triton
-    return gla_torch, gla_triton
+        spec.loader.exec_module(pkg)
+    return tuple(importlib.import_module(f"glaswap_kernels.{n}") for n in names)
+
+
+def _import_kernels():
+    return kernel_modules("gla_torch", "gla_triton")
 
 
 # ----------------------------------------------------------------------------------------

@@ -22,25 +22,14 @@ import sys
 
 import torch
 import torch.nn.functional as F
-from bench_kernels import _parse_sets as parse_sets, bench_device  # same folder: run as a script
+from bench_kernels import _parse_sets as parse_sets, bench_device, kernel_modules  # same folder: run as a script
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 DRY_RUN = False
 
 
 def _import_kernels():
-    try:
-        from glaswap_kernels import gla_ops, window_torch, window_triton
-    except ImportError:           # not installed: load kernels/ under its package name
-        import importlib.util
-        root = os.path.join(os.path.dirname(HERE), "kernels")
-        spec = importlib.util.spec_from_file_location(
-            "glaswap_kernels", os.path.join(root, "__init__.py"), submodule_search_locations=[root])
-        pkg = importlib.util.module_from_spec(spec)
-        sys.modules["glaswap_kernels"] = pkg
-        spec.loader.exec_module(pkg)
-        from glaswap_kernels import gla_ops, window_torch, window_triton
-    return gla_ops, window_torch, window_triton
+    return kernel_modules("gla_ops", "window_torch", "window_triton")
 
 
 def shapes():

@@ -185,6 +185,14 @@ def recipes_cp(name, file, force):
     click.echo(f"wrote {dest}; run it with: glaswap distill --recipe {dest}")
 
 
+def _scoring_options(fn):
+    """--device, --dtype and --trust-remote-code, as eval and passkey take them."""
+    fn = click.option("--trust-remote-code", is_flag=True, help=_TRUST_HELP)(fn)
+    fn = click.option("--dtype", type=click.Choice(["auto", "float32", "bfloat16", "float16"]), default="auto",
+                      show_default=True, help="auto: bfloat16 on CUDA, float32 on CPU.")(fn)
+    return click.option("--device", default="auto", show_default=True, help="auto, cpu or cuda.")(fn)
+
+
 @main.command(name="eval")
 @click.argument("model", type=click.Path())
 @click.argument("more_texts", nargs=-1, metavar="")
@@ -201,10 +209,7 @@ def recipes_cp(name, file, force):
 @click.option("--batch-size", type=click.IntRange(1), default=1, show_default=True, help="Windows per forward pass.")
 @click.option("--out", type=click.Path(file_okay=False), default=None,
               help="Folder for the JSON and PNG (default: MODEL/eval).")
-@click.option("--device", default="auto", show_default=True, help="auto, cpu or cuda.")
-@click.option("--dtype", type=click.Choice(["auto", "float32", "bfloat16", "float16"]), default="auto",
-              show_default=True, help="auto: bfloat16 on CUDA, float32 on CPU.")
-@click.option("--trust-remote-code", is_flag=True, help=_TRUST_HELP)
+@_scoring_options
 @click.option("--bos", is_flag=True,
               help="Put BOS (EOS if none) first and score every token, as lm-eval's loglikelihood_rolling "
                    "does with max_length = the context.")
@@ -240,10 +245,7 @@ def eval_(model, more_texts, texts, teacher, context, stride, max_tokens, batch_
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed of the keys.")
 @click.option("--out", type=click.Path(file_okay=False), default=None,
               help="Folder for passkey.json and passkey.png (default: MODEL/eval).")
-@click.option("--device", default="auto", show_default=True, help="auto, cpu or cuda.")
-@click.option("--dtype", type=click.Choice(["auto", "float32", "bfloat16", "float16"]), default="auto",
-              show_default=True, help="auto: bfloat16 on CUDA, float32 on CPU.")
-@click.option("--trust-remote-code", is_flag=True, help=_TRUST_HELP)
+@_scoring_options
 @_friendly
 def passkey(model, lengths, depths, trials, teacher, no_teacher, seed, out, device, dtype, trust_remote_code):
     """Passkey retrieval of MODEL and its teacher: a 5-digit key stated once in filler text, asked

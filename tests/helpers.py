@@ -131,3 +131,14 @@ def converted_tiny(root: Path, teacher=None, tokenizer=None) -> Path:
     if tokenizer is not None:
         tokenizer.save_pretrained(str(out))
     return out
+
+
+def ascii_tokenizer(**special):
+    """A character-level fast tokenizer over the 128 ASCII codes (the tiny models' vocabulary);
+    any other character is the unknown token "\\x00". `special`: e.g. eos_token="\\x03"."""
+    from tokenizers import Tokenizer, models
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {chr(i): i for i in range(128)}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="\x00"))
+    return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="\x00", **special)

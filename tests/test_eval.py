@@ -11,6 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from click.testing import CliRunner
+import helpers
 from helpers import randomise_new_parameters, save_teacher, tiny_teacher
 
 from glaswap.cli import main
@@ -23,14 +24,7 @@ QUIET = dict(progress=False, log=lambda *_: None)
 
 
 def ascii_tokenizer():
-    """A character-level fast tokenizer over the 128 ASCII codes (the tiny models' vocabulary);
-    any other character is one unknown token."""
-    from tokenizers import Tokenizer, models
-    from transformers import PreTrainedTokenizerFast
-
-    vocab = {chr(i): i for i in range(128)}
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="\x00"))
-    return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="\x00", eos_token="\x03")
+    return helpers.ascii_tokenizer(eos_token="\x03")
 
 
 def sample_text(n_chars, seed=0):

@@ -11,6 +11,7 @@ import os
 import pytest
 import torch
 from click.testing import CliRunner
+import helpers
 from helpers import randomise_new_parameters, run_without_glaswap, save_teacher, tiny_teacher
 
 from glaswap.cli import main
@@ -32,13 +33,7 @@ PAD = 0
 
 
 def ascii_tokenizer():
-    """A character-level fast tokenizer over the 128 ASCII codes (the tiny models' vocabulary)."""
-    from tokenizers import Tokenizer, models
-    from transformers import PreTrainedTokenizerFast
-
-    vocab = {chr(i): i for i in range(128)}
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="\x00"))
-    return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="\x00", pad_token="\x00", eos_token="\x03")
+    return helpers.ascii_tokenizer(pad_token="\x00", eos_token="\x03")
 
 
 @pytest.fixture(scope="module")

@@ -11,6 +11,7 @@ import sys
 
 import numpy as np
 import pytest
+import helpers
 from helpers import converted_tiny
 
 from click.testing import CliRunner
@@ -29,13 +30,7 @@ DOCS = [
 
 
 def ascii_tokenizer():
-    """Characters as tokens (the tiny models' 128 ids), with BOS and EOS, adding neither itself."""
-    from tokenizers import Tokenizer, models
-    from transformers import PreTrainedTokenizerFast
-
-    vocab = {chr(i): i for i in range(128)}
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="\x00"))
-    return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="\x00", bos_token="\x02", eos_token="\x03")
+    return helpers.ascii_tokenizer(bos_token="\x02", eos_token="\x03")
 
 
 @pytest.fixture(scope="module")

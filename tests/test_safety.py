@@ -25,6 +25,7 @@ from pathlib import Path
 import pytest
 import torch
 from click.testing import CliRunner
+import helpers
 from helpers import save_teacher, tiny_recipe, tiny_teacher, tree_digest
 from safetensors.torch import load_file, save_file
 
@@ -42,13 +43,7 @@ def _quiet(*_a, **_k):
 
 
 def ascii_tokenizer():
-    """A character-level fast tokenizer over the 128 ASCII codes (the tiny models' vocabulary)."""
-    from tokenizers import Tokenizer, models
-    from transformers import PreTrainedTokenizerFast
-
-    vocab = {chr(i): i for i in range(128)}
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="\x00"))
-    return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="\x00", pad_token="\x00", eos_token="\x03")
+    return helpers.ascii_tokenizer(pad_token="\x00", eos_token="\x03")
 
 
 def plant_tokenizer_code(folder: Path, marker: Path):
