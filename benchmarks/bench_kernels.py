@@ -196,6 +196,7 @@ def bench(fn, quick):
 
 
 def _rotating(sets):
+    """Three input sets in turn, so that L2 does not hold the last call's inputs."""
     state = {"i": 0}
 
     def nxt():

@@ -22,7 +22,7 @@ import sys
 
 import torch
 import torch.nn.functional as F
-from bench_kernels import _parse_sets as parse_sets, bench_device, kernel_modules  # same folder: run as a script
+from bench_kernels import _parse_sets as parse_sets, _rotating, bench_device, kernel_modules  # same folder: run as a script
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 DRY_RUN = False
@@ -49,16 +49,6 @@ def bench(fn):
         return (time.perf_counter() - start) * 1e3
     import triton.testing
     return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
-
-
-def _rotating(sets):
-    """Three input sets in turn, so that L2 does not hold the last call's inputs."""
-    state = {"i": 0}
-
-    def nxt():
-        state["i"] = (state["i"] + 1) % len(sets)
-        return sets[state["i"]]
-    return nxt
 
 
 def _randn(*shape, gen, device, grad=True):

@@ -22,8 +22,8 @@ import numpy as np
 import torch
 
 from glaswap.errors import GlaswapError
-from glaswap.longcontext import by_absolute_position, format_by_position, one_pass_nll, teacher_positions
-from glaswap.longcontext import plot_by_position as plot_absolute
+from glaswap.longcontext import (by_absolute_position, format_by_position, one_pass_nll, plot_absolute,
+                                 teacher_positions)
 from glaswap.runtime import (atomic_write, check_model_folder, load_student, load_teacher, load_tokenizer,
                              pick_device, pick_dtype, teacher_source, versions)
 from glaswap.scoring import token_kl, token_nll

@@ -107,7 +107,7 @@ def format_by_position(fig: dict) -> str:
     return "\n".join(lines)
 
 
-def plot_by_position(fig: dict, title: str, path: Path):
+def plot_absolute(fig: dict, title: str, path: Path):
     import matplotlib
 
     matplotlib.use("Agg")

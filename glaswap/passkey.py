@@ -65,9 +65,9 @@ def answer_is_key(text: str, key: str) -> bool:
 @torch.no_grad()
 def greedy_answer(model, ids: list[int], device, steps: int = ANSWER_TOKENS, chunk: int = 4096,
                   recurrent: bool = True) -> list[int]:
-    """Greedy continuation of `ids`. recurrent: prefill in chunks through the model's cache
-    (a GLA student: constant memory), else one forward with the model's own cache, or (cache
-    False, softmax mode of a student) a full forward per step."""
+    """Greedy continuation of `ids`. recurrent: a GLA student, prefilled `chunk` tokens at a time
+    through its recurrent state (constant memory); else a Hugging Face causal LM with its own
+    KV cache, prefilled in one forward."""
     x = torch.tensor([ids], device=device)
     if recurrent:
         from glaswap.models.modeling_glaswap import GLASwapCache

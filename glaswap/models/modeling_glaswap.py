@@ -25,7 +25,7 @@ from transformers.activations import ACT2FN
 from transformers.cache_utils import Cache
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
 
-from glaswap.layers.gla_attention import MODES, GLAAttention, RMSNorm
+from glaswap.layers.gla_attention import MODES, GLAAttention, RMSNorm, rope_inv_freq
 from glaswap.models.configuration_glaswap import GLASwapConfig
 
 # The transformers releases (major, minor), inclusive, this code is tested with. A saved folder
@@ -161,15 +161,7 @@ class RotaryEmbedding(nn.Module):
 
     def compute_inv_freq(self):
         """(inverse frequencies, attention scaling) for the config's RoPE type."""
-        rope = dict(self.config.rope_parameters)
-        rope_type = rope.get("rope_type", rope.get("type", "default"))
-        if rope_type == "default":
-            dim = int(self.config.head_dim * rope.get("partial_rotary_factor", 1.0))
-            inv_freq = 1.0 / (rope["rope_theta"] ** (torch.arange(0, dim, 2, dtype=torch.float) / dim))
-            return inv_freq, 1.0
-        from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS  # llama3, linear, yarn, ...
-
-        return ROPE_INIT_FUNCTIONS[rope_type](self.config, None)
+        return rope_inv_freq(self.config)
 
     @torch.no_grad()
     def forward(self, x, position_ids):
