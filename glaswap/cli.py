@@ -85,6 +85,14 @@ _TRUST_HELP = ("Run Python code that a model or tokenizer folder ships (auto_map
 @click.option("--state-heads", type=click.Choice(["kv", "query"]), default="kv", show_default=True,
               help="kv: query heads of a GQA group share one recurrent state; query: one state per query head "
                    "(own key feature map and gate; R times the state and its kernel work).")
+@click.option("--window", type=click.IntRange(0), default=0, show_default=True,
+              help="Hybrid layers: each token also attends with the teacher's exact softmax to its last W tokens "
+                   "(itself included); older ones reach it through the GLA state. 0: pure GLA.")
+@click.option("--sinks", type=click.IntRange(0), default=0, show_default=True,
+              help="With --window: the first S tokens of each document stay in every token's exact attention.")
+@click.option("--window-mix", type=click.Choice(["shared", "learned"]), default="shared", show_default=True,
+              help="shared: one softmax normaliser over the window's scores and the state's sums; learned: a "
+                   "learned per-head mix of the two outputs.")
 @click.option("--dtype", type=click.Choice(["auto", "bfloat16", "float16", "float32"]), default="auto",
               show_default=True, help="Weights dtype (auto: the source's; bfloat16 for GGUF).")
 @click.option("--max-shard-size", default="2GB", show_default=True)
@@ -95,13 +103,13 @@ _TRUST_HELP = ("Run Python code that a model or tokenizer folder ships (auto_map
 @click.option("--trust-remote-code", is_flag=True, help=_TRUST_HELP)
 @_friendly
 def convert(source, out, gate, gate_rank, gate_init_decay, feature_map, normalizer, rope, rope_max_wavelength,
-            state_heads, dtype, max_shard_size, seed, report, force, trust_remote_code):
+            state_heads, window, sinks, window_mix, dtype, max_shard_size, seed, report, force, trust_remote_code):
     """Convert SOURCE (a model folder, a .gguf file, a hub id, or smollm2-135m) into a GLA model in OUT."""
     from glaswap.convert import convert as run
 
     options = {"gate": gate, "gate_rank": gate_rank, "gate_init_decay": gate_init_decay,
                "feature_map": feature_map, "normalizer": normalizer, "use_rope": rope, "rope_max_wavelength": rope_max_wavelength,
-               "state_heads": state_heads}
+               "state_heads": state_heads, "window": window, "sinks": sinks, "window_mix": window_mix}
     run(source, out, options=options, force=force, dtype=dtype, max_shard_size=max_shard_size, report=report,
         seed=seed, trust_remote_code=trust_remote_code, log=click.echo)
 

@@ -162,6 +162,7 @@ class DecodeGraph:
                 and input_ids.shape[1] == 1 and isinstance(cache, GLASwapCache)
                 and not torch.is_grad_enabled() and not self.model.training
                 and (self.backend != "cuda" or input_ids.is_cuda)
+                and not getattr(self.model.config, "window", 0)   # hybrid layers decode eagerly
                 and all(layer.self_attn.mode == "gla" for layer in self.model.model.layers))
 
     def step(self, input_ids, position_ids, cache):

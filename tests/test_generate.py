@@ -28,6 +28,8 @@ VARIANTS = {
     "qwen2-scalar": ("qwen2", False, {"gate": "scalar", "feature_map": "identity", "normalizer": False}),
     "mistral-pm": ("mistral", False, {"feature_map": "hedgehog_pm"}),                # state rows 2 x head dim
     "llama-qstate": ("llama", False, {"state_heads": "query"}),                     # a state per query head
+    "llama-window": ("llama", False, {"window": 4, "sinks": 2}),                    # hybrid: exact window + sinks
+    "qwen3-window-mix": ("qwen3", True, {"feature_map": "hedgehog_pm", "window": 3, "window_mix": "learned"}),
 }
 PAD = 0
 
@@ -103,7 +105,8 @@ def test_prefill_then_steps_match_full_forward(folders, variant):
 
 
 @pytest.mark.compat
-@pytest.mark.parametrize("variant, mode", [("llama", "gla"), ("qwen3-key", "gla"), ("llama", "softmax")])
+@pytest.mark.parametrize("variant, mode", [("llama", "gla"), ("qwen3-key", "gla"), ("llama", "softmax"),
+                                           ("llama-window", "gla"), ("qwen3-window-mix", "gla")])
 def test_left_padded_forward_without_positions_matches_each_row_alone(folders, variant, mode):
     """Positions come from the attention mask: a left-padded row numbers its tokens from 0."""
     model = _load(folders[variant])
@@ -117,8 +120,9 @@ def test_left_padded_forward_without_positions_matches_each_row_alone(folders, v
 
 
 @pytest.mark.compat
-def test_left_padded_decode_without_positions_matches_each_row_alone(folders):
-    model = _load(folders["llama"])
+@pytest.mark.parametrize("variant", ["llama", "llama-window"])
+def test_left_padded_decode_without_positions_matches_each_row_alone(folders, variant):
+    model = _load(folders[variant])
     rows = [list(range(5, 29)), list(range(40, 57))]
     ids, mask = _left_padded(rows)
     P = 10
@@ -207,6 +211,24 @@ def test_cache_states_are_constant_size(folders, variant, rows):
     assert sizes[0] == sizes[1] == [(1, heads, rows * cfg.head_dim, cfg.head_dim + 1)] * 2
 
 
+def test_hybrid_cache_is_constant_size(folders):
+    """The window buffers hold the last `window` tokens and the sinks whatever the context."""
+    model = _load(folders["llama-window"])
+    cfg = model.config
+    shapes = []
+    with torch.no_grad():
+        for T in (3, 50):
+            cache = cache_of(model(torch.randint(0, 128, (1, T)), use_cache=True))
+            shapes.append([{k: tuple(t.shape) for k, t in w.items()} for w in cache.windows])
+            pos = cache.windows[0]["pos"][0].tolist()
+            assert pos == ([-1] * (cfg.window - T) + list(range(T)) if T < cfg.window
+                           else list(range(T - cfg.window, T)))
+            assert cache.windows[0]["spos"][0].tolist() == list(range(min(T, cfg.sinks))) + [-1] * (cfg.sinks - min(T, cfg.sinks))
+    assert shapes[0] == shapes[1]
+    assert shapes[0][0]["k"] == (1, cfg.window, cfg.num_key_value_heads, cfg.head_dim)
+    assert shapes[0][0]["sk"] == (1, cfg.sinks, cfg.num_key_value_heads, cfg.head_dim)
+
+
 @pytest.mark.compat
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_greedy_same_tokens_with_and_without_cache(folders, variant):
@@ -219,7 +241,7 @@ def test_greedy_same_tokens_with_and_without_cache(folders, variant):
 
 
 @pytest.mark.compat
-@pytest.mark.parametrize("variant", ["llama", "qwen3-key"])
+@pytest.mark.parametrize("variant", ["llama", "qwen3-key", "llama-window", "qwen3-window-mix"])
 def test_left_padded_batch_matches_each_row_alone(folders, variant):
     model = _load(folders[variant])
     rows = [[7, 33, 91, 12, 5, 60, 61, 2, 99], [44, 18, 70], [3, 3, 120, 8, 17]]
@@ -231,8 +253,9 @@ def test_left_padded_batch_matches_each_row_alone(folders, variant):
 
 
 @pytest.mark.compat
-def test_beam_search_reorders_the_cache(folders):
-    model = _load(folders["llama"])
+@pytest.mark.parametrize("variant", ["llama", "llama-window"])
+def test_beam_search_reorders_the_cache(folders, variant):
+    model = _load(folders[variant])
     ids, mask = _left_padded([[7, 33, 91, 12, 5], [44, 18, 70]])
     kw = dict(num_beams=3, num_return_sequences=2, n=8)
     with_cache = _greedy(model, ids, mask, use_cache=True, **kw)
@@ -254,8 +277,9 @@ def test_rolling_back_the_cache_fails_clearly(folders):
 
 
 @pytest.mark.compat
-def test_generate_after_loading_without_glaswap(folders, tmp_path):
-    folder = folders["llama"]
+@pytest.mark.parametrize("variant", ["llama", "llama-window"])
+def test_generate_after_loading_without_glaswap(folders, tmp_path, variant):
+    folder = folders[variant]
     model = _load(folder)
     ids, mask = _left_padded([[7, 33, 91, 12, 5, 60, 61], [44, 18, 70]])
     expected = _greedy(model, ids, mask)

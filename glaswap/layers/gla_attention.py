@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from glaswap_kernels.gla_ops import (HAS_TRITON, chunk_gla, feature_map, gate_logsigmoid, normalize, recurrent_gla,
-                                     with_ones)
+                                     window_attention, with_ones)
 from glaswap_kernels.gla_torch import apply_rope
 
 # The allowed gates and feature maps: configuration_glaswap.GLA_OPTIONS (and cli.py's choices).
@@ -107,6 +107,16 @@ class FeatureMap(nn.Module):
                            backend=backend, pm=self.kind == "hedgehog_pm")
 
 
+class WindowMix(nn.Module):
+    """One logit per query head weighing the GLA state's part against the exact window's
+    (config.window_mix): for "shared", the log-weight of the state's phi(q).phi(k) sums beside
+    the window's exp-scores; for "learned", the logit of the state's share of the output."""
+
+    def __init__(self, heads):
+        super().__init__()
+        self.logit = nn.Parameter(torch.zeros(heads))
+
+
 class GLAAttention(nn.Module):
     def __init__(self, config, layer_idx):
         super().__init__()
@@ -141,6 +151,8 @@ class GLAAttention(nn.Module):
         elif config.gate == "scalar":
             self.gate_proj = nn.Linear(self.hidden_size, self.num_state_heads, bias=True)
         self._rope_keep = None   # rope_kept_dims as cos's dtype and device, made on first use
+        if config.window:
+            self.window_mix = WindowMix(self.num_heads)
         self.q_map = FeatureMap(config.feature_map, self.num_heads, self.head_dim)
         self.k_map = FeatureMap(config.feature_map, self.num_state_heads, self.head_dim)
         for m in (getattr(self, n, None) for n in ("gate_down", "gate_up", "gate_proj")):
@@ -165,13 +177,15 @@ class GLAAttention(nn.Module):
         elif cfg.gate == "scalar":
             self.gate_proj.weight.zero_()
             self.gate_proj.bias.fill_(bias)
+        if cfg.window:
+            self.window_mix.logit.zero_()
         if cfg.feature_map in LEARNED_MAPS:
             for m in (self.q_map, self.k_map):
                 m.weight.copy_(torch.eye(self.head_dim).repeat(m.weight.shape[0], 1, 1))
 
     def new_parameter_names(self):
         names = [n for n, _ in self.named_parameters()
-                 if n.startswith(("gate_down.", "gate_up.", "gate_proj.", "q_map.", "k_map."))]
+                 if n.startswith(("gate_down.", "gate_up.", "gate_proj.", "q_map.", "k_map.", "window_mix."))]
         return names
 
     # ----------------------------------------------------------------------------------
@@ -208,7 +222,7 @@ class GLAAttention(nn.Module):
         return t.repeat_interleave(R, dim=2) if R > 1 else t
 
     def forward(self, hidden_states, position_embeddings=None, attention_mask=None,
-                past_key_values=None, cu_seqlens=None, **kwargs):
+                past_key_values=None, cu_seqlens=None, position_ids=None, **kwargs):
         if self.mode == "softmax" and self.transfer:
             # Attention transfer: this layer's gate and feature maps learn on the teacher's own
             # inputs and projections, held fixed. Without the detach each layer's loss would run
@@ -218,7 +232,7 @@ class GLAAttention(nn.Module):
             with torch.no_grad():
                 q, k, v = self._project(x)
                 out = self._softmax_attention(q, k, v, position_embeddings, attention_mask, cu_seqlens)
-            gla = self._gla(x, q, k, v, position_embeddings, attention_mask, None, cu_seqlens)
+            gla = self._gla(x, q, k, v, position_embeddings, attention_mask, None, cu_seqlens, position_ids)
             self.transfer_loss = F.mse_loss(gla.float(), out.float())
             return out, None
         q, k, v = self._project(hidden_states)
@@ -226,7 +240,7 @@ class GLAAttention(nn.Module):
             out = self._softmax_attention(q, k, v, position_embeddings, attention_mask, cu_seqlens)
             return out, None
         return self._gla(hidden_states, q, k, v, position_embeddings, attention_mask,
-                         past_key_values, cu_seqlens), None
+                         past_key_values, cu_seqlens, position_ids), None
 
     def _softmax_attention(self, q, k, v, position_embeddings, attention_mask, cu_seqlens):
         """The teacher's attention from the same weights (SDPA)."""
@@ -243,10 +257,12 @@ class GLAAttention(nn.Module):
         o = o.transpose(1, 2).reshape(B, T, -1)
         return self.o_proj(o)
 
-    def _gla(self, x, q, k, v, position_embeddings, attention_mask, cache, cu_seqlens):
+    def _gla(self, x, q, k, v, position_embeddings, attention_mask, cache, cu_seqlens, position_ids=None):
         cfg = self.config
         B, T = q.shape[:2]
         g = self._gate(x, k)
+        if cfg.window:   # the exact part sees the teacher's own rotated q and k, per KV head
+            exact = (apply_rope(q, *position_embeddings), apply_rope(k, *position_embeddings), v)
         k, v = self._per_state_head(k), self._per_state_head(v)
         cos, sin = position_embeddings if cfg.use_rope else (None, None)
         if cos is not None and cfg.rope_max_wavelength:
@@ -262,6 +278,17 @@ class GLAAttention(nn.Module):
             keep = attention_mask[:, -T:].to(v.dtype)[:, :, None, None]
             k, v, g = k * keep, v * keep, g * keep
         scale = self.head_dim ** -0.5 if cfg.feature_map == "identity" else 1.0
+        if cfg.window:
+            if cache is None and attention_mask is None:
+                o = self._hybrid(q, k, v, g, exact, scale, cu_seqlens)
+            else:
+                valid = attention_mask[:, -T:].bool() if attention_mask is not None and attention_mask.dim() == 2 \
+                    else torch.ones(B, T, dtype=torch.bool, device=q.device)
+                if position_ids is None:
+                    past = cache.seen_tokens if cache is not None else 0
+                    position_ids = torch.arange(past, past + T, device=q.device)[None]
+                o = self._hybrid_stream(q, k, v, g, exact, scale, position_ids.expand(B, T), valid, cache)
+            return self.o_proj(o.reshape(B, T, -1))
         if cu_seqlens is not None and B > 1:
             # Packed documents: the kernel takes one flat sequence with boundaries.
             q, k, v, g = (t.reshape(1, B * T, *t.shape[2:]) for t in (q, k, v, g))
@@ -281,6 +308,152 @@ class GLAAttention(nn.Module):
         if cfg.normalizer:
             o = normalize(o, cfg.normalizer_eps, cfg.gla_backend)
         return self.o_proj(o.reshape(B, T, -1))
+
+
+    # ---------------------------------------------------------------- hybrid: window + state
+    # Token i sees keys j > i - W (its window) and j < S (its document's sinks) exactly; every
+    # other earlier key j enters the GLA state at step j + W, once it has left the window, and
+    # decays from there on. So the two parts never count a key twice, and a document no longer
+    # than the window gets exactly the teacher's attention.
+
+    def _hybrid(self, q, k, v, g, exact, scale, cu_seqlens):
+        """Whole sequences (training, scoring): [B, T, H, D] from the window op and chunk_gla."""
+        cfg = self.config
+        B, T = q.shape[:2]
+        q_r, k_r, v_r = exact
+        if cu_seqlens is not None and B > 1:
+            q, k, v, g, q_r, k_r, v_r = (t.reshape(1, B * T, *t.shape[2:]) for t in (q, k, v, g, q_r, k_r, v_r))
+        k_in, v_in = (_enter_state(t, cfg.window, cfg.sinks, cu_seqlens) for t in (k, v))
+        o_lin, _ = chunk_gla(q, k_in, v_in, g, scale=scale, cu_seqlens=cu_seqlens, backend=cfg.gla_backend,
+                             normalizer=True)
+        o_win, lse = window_attention(q_r, k_r, v_r, cfg.window, cfg.sinks, scale=self.head_dim ** -0.5,
+                                      cu_seqlens=cu_seqlens, backend=cfg.gla_backend)
+        return self._combine(o_win, lse, o_lin).reshape(B, T, self.num_heads, -1)
+
+    def _hybrid_stream(self, q, k, v, g, exact, scale, pos, valid, cache):
+        """Continuing from a cache (prefill in chunks, decode steps) or with padding: the
+        cache's window buffer (the last W tokens' rotated keys, values, feature-mapped keys
+        and positions, -1 for none or padding) and sink buffer stand before the new tokens."""
+        cfg = self.config
+        W, S = cfg.window, cfg.sinks
+        B, T = q.shape[:2]
+        q_r, k_r, v_r = exact
+        buf = cache.window_buffers(self.layer_idx) if cache is not None else None
+        if buf is None:
+            buf = empty_window_buffers(B, W, S, k_r, k)
+        pos = torch.where(valid, pos.long(), -1)
+        K, V = torch.cat([buf["k"], k_r], 1), torch.cat([buf["v"], v_r], 1)
+        FK, P = torch.cat([buf["fk"], k], 1), torch.cat([buf["pos"], pos], 1)
+        # New step t takes into the state the key that leaves the window then: index t of the
+        # concatenation (W steps back), unless it is padding, empty or a sink.
+        enter = (P[:, :T] >= S)[:, :, None, None]
+        k_in = FK[:, :T] * enter.to(FK.dtype)
+        v_in = self._per_state_head(V[:, :T]) * enter.to(V.dtype)
+        state = cache.recurrent_state(self.layer_idx) if cache is not None else None
+        if cache is not None and T == 1 and not torch.is_grad_enabled():
+            o_lin, new_state = _decode_step(q, k_in, with_ones(v_in), g, scale, state, cfg.gla_backend)
+        else:
+            o_lin, new_state = chunk_gla(q, k_in, v_in, g, scale=scale, initial_state=state,
+                                         output_final_state=cache is not None, backend=cfg.gla_backend,
+                                         normalizer=True)
+        after = _advance_buffers(buf, K, V, FK, P, k_r, v_r, pos, W, S)
+        # the sinks among the new tokens count too (each only for queries W or more later)
+        o_win, lse = _window_over_buffer(q_r, K, V, P, after, pos, W, self.head_dim ** -0.5)
+        if cache is not None:
+            cache.set_recurrent_state(self.layer_idx, new_state)
+            cache.set_window_buffers(self.layer_idx, after)
+        return self._combine(o_win, lse, o_lin)
+
+    def _combine(self, o_win, lse, o_lin):
+        """One output from the window's (o_win normalised, lse) and the state's (num, den)."""
+        num, den = o_lin[..., :-1].float(), o_lin[..., -1].float()
+        logit = self.window_mix.logit.float()
+        if self.config.window_mix == "shared":
+            # (e^lse o_win + e^c num) / (e^lse + e^c den): the state's share is sigmoid(c + log den - lse)
+            share = torch.sigmoid(logit + torch.log(den.clamp_min(1e-30)) - lse)
+        else:
+            share = torch.sigmoid(logit).expand_as(den)
+        share = torch.where(den > 0, share, torch.zeros_like(share))   # nothing in the state yet
+        o_state = num / (den + self.config.normalizer_eps)[..., None]
+        o = o_win.float() + share[..., None] * (o_state - o_win.float())
+        return o.to(o_win.dtype)
+
+
+WINDOW_BUFFERS = ("k", "v", "fk", "pos", "sk", "sv", "spos")
+
+
+def empty_window_buffers(B, W, S, k_r, fk):
+    """The window and sink buffers of a cache before any token: every position -1."""
+    return {"k": k_r.new_zeros(B, W, *k_r.shape[2:]), "v": k_r.new_zeros(B, W, *k_r.shape[2:]),
+            "fk": fk.new_zeros(B, W, *fk.shape[2:]), "pos": torch.full((B, W), -1, device=k_r.device),
+            "sk": k_r.new_zeros(B, S, *k_r.shape[2:]), "sv": k_r.new_zeros(B, S, *k_r.shape[2:]),
+            "spos": torch.full((B, S), -1, device=k_r.device)}
+
+
+def _enter_state(x, W, S, cu_seqlens):
+    """x [B, T, ...] moved W steps later within each document, zero where the source is before
+    the document's start or among its first S tokens (those stay in the window's sinks)."""
+    B, T = x.shape[:2]
+    t = torch.arange(T, device=x.device)
+    if cu_seqlens is None:
+        start = torch.zeros_like(t)
+    else:
+        cu = cu_seqlens.to(device=x.device, dtype=torch.long)
+        start = cu[torch.bucketize(t, cu[1:], right=True)]
+    src = t - W
+    ok = (src - start >= S).to(x.dtype).view(1, T, *([1] * (x.dim() - 2)))
+    return x[:, src.clamp(min=0)] * ok
+
+
+def _window_over_buffer(q_r, K, V, P, buf, pos, W, scale, block=256):
+    """Exact softmax of the T new queries over their last W keys in K/V [B, W + T, Hkv, D]
+    (positions P, -1 = none) and over the sink buffer's keys (the new tokens' included) that
+    have left the query's window:
+    (o [B, T, H, D] in q's dtype, lse [B, T, H] float32). Plain PyTorch, query blocks of
+    `block`, so memory stays O(block x (W + block))."""
+    B, T, H, D = q_r.shape
+    R = H // K.shape[2]
+    sk, sv, spos = buf["sk"], buf["sv"], buf["spos"]
+    outs, lses = [], []
+    for a in range(0, T, block):
+        b = min(T, a + block)
+        qb = q_r[:, a:b].float().transpose(1, 2)                                  # [B, H, n, D]
+        kk = K[:, a + 1:W + b].float().transpose(1, 2).repeat_interleave(R, 1)    # keys a+1 .. W+b-1
+        vv = V[:, a + 1:W + b].float().transpose(1, 2).repeat_interleave(R, 1)
+        t = torch.arange(a, b, device=q_r.device)[:, None]
+        j = torch.arange(a + 1, W + b, device=q_r.device)[None, :]
+        in_window = (j >= t + 1) & (j <= W + t)                                    # [n, keys]
+        live = P[:, a + 1:W + b] >= 0                                              # [B, keys]
+        allowed = in_window[None] & (live[:, None, :] | (j == W + t)[None])        # a query sees itself
+        s = scale * qb @ kk.transpose(-1, -2)
+        s = s.masked_fill(~allowed[:, None], float("-inf"))
+        if sk.shape[1]:
+            ks = sk.float().transpose(1, 2).repeat_interleave(R, 1)
+            vs = sv.float().transpose(1, 2).repeat_interleave(R, 1)
+            # a sink counts here once it has left the query's window
+            seen = (spos[:, None, :] >= 0) & (spos[:, None, :] <= pos[:, a:b, None] - W)   # [B, n, S]
+            ss = (scale * qb @ ks.transpose(-1, -2)).masked_fill(~seen[:, None], float("-inf"))
+            s, vv = torch.cat([ss, s], -1), torch.cat([vs, vv], -2)
+        lse = torch.logsumexp(s, -1)                                               # [B, H, n]
+        outs.append((torch.exp(s - lse[..., None]) @ vv).transpose(1, 2))
+        lses.append(lse.transpose(1, 2))
+    return torch.cat(outs, 1).to(q_r.dtype), torch.cat(lses, 1)
+
+
+def _advance_buffers(buf, K, V, FK, P, k_r, v_r, pos, W, S):
+    """The buffers after the new tokens: the last W of the concatenation, and the sinks among
+    the new tokens written into their slots."""
+    new = {"k": K[:, -W:], "v": V[:, -W:], "fk": FK[:, -W:], "pos": P[:, -W:]}
+    if S:
+        hit = pos[:, :, None] == torch.arange(S, device=pos.device)                   # [B, T, S]
+        got = hit.any(1)                                                               # [B, S]
+        hitf = hit.to(k_r.dtype)
+        new["sk"] = torch.where(got[:, :, None, None], torch.einsum("bts,bthd->bshd", hitf, k_r), buf["sk"])
+        new["sv"] = torch.where(got[:, :, None, None], torch.einsum("bts,bthd->bshd", hitf, v_r), buf["sv"])
+        new["spos"] = torch.where(got, torch.arange(S, device=pos.device).expand_as(got), buf["spos"])
+    else:
+        new.update(sk=buf["sk"], sv=buf["sv"], spos=buf["spos"])
+    return new
 
 
 def _decode_step(q, k, v, g, scale, state, backend):

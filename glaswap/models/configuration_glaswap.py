@@ -24,6 +24,15 @@ GLA_OPTIONS = {
     # query head keeps its own state, with its own key feature map and gate (R times the memory).
     "state_heads": ("kv", ("kv", "query")),
     "gla_backend": ("auto", ("auto", "triton", "torch")),
+    # Hybrid layers: each token also attends with the teacher's exact softmax (its q, k, RoPE and
+    # scale) to its last `window` tokens and its document's first `sinks`; older tokens reach it
+    # through the GLA state only. 0: pure GLA.
+    "window": (0, int),
+    "sinks": (0, int),
+    # How the two parts combine. shared: one normaliser over the window's exp-scores and the
+    # state's phi(q).phi(k) sums (a learned per-head weight on the state's); learned: a learned
+    # per-head mix of the two normalised outputs.
+    "window_mix": ("shared", ("shared", "learned")),
 }
 
 
@@ -49,6 +58,14 @@ def check_gla_options(opts):
         raise ValueError(f"invalid gate_init_decay {merged['gate_init_decay']!r}; expected 0 < decay < 1")
     if float(merged["rope_max_wavelength"]) < 0:
         raise ValueError(f"invalid rope_max_wavelength {merged['rope_max_wavelength']!r}; expected >= 0 (0: every pair)")
+    for name in ("window", "sinks"):
+        if isinstance(merged[name], bool) or not isinstance(merged[name], int) or merged[name] < 0:
+            raise ValueError(f"invalid {name} {merged[name]!r}; expected a whole number >= 0")
+    if merged["sinks"] and not merged["window"]:
+        raise ValueError("sinks need a window: set window >= 1, or sinks to 0")
+    if merged["window"] and not merged["normalizer"]:
+        raise ValueError("a window needs the normalizer (it shares the softmax's normalisation); turn the "
+                         "normalizer on, or set window to 0")
     if int(merged["gate_rank"]) < 1 or float(merged["gate_normalizer"]) <= 0:
         raise ValueError("gate_rank must be >= 1 and gate_normalizer > 0")
 
@@ -92,6 +109,9 @@ class GLASwapConfig(PretrainedConfig):
         rope_max_wavelength=0.0,
         state_heads="kv",
         gla_backend="auto",
+        window=0,
+        sinks=0,
+        window_mix="shared",
         **kwargs,
     ):
         self.vocab_size = vocab_size
@@ -123,6 +143,9 @@ class GLASwapConfig(PretrainedConfig):
         self.rope_max_wavelength = rope_max_wavelength
         self.state_heads = state_heads
         self.gla_backend = gla_backend
+        self.window = window
+        self.sinks = sinks
+        self.window_mix = window_mix
         check_gla_options({k: getattr(self, k) for k in GLA_OPTIONS})
         super().__init__(pad_token_id=pad_token_id, bos_token_id=bos_token_id, eos_token_id=eos_token_id,
                          tie_word_embeddings=tie_word_embeddings, **kwargs)

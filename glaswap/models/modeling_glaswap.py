@@ -93,9 +93,11 @@ def positions_from_mask(attention_mask, past, T):
 
 class GLASwapCache(Cache):
     """Recurrent state per layer ([B, state heads, K, V] float32; the state heads are the KV
-    heads unless state_heads="query") and the number of tokens seen.
+    heads unless state_heads="query"), the number of tokens seen and, for hybrid layers
+    (config.window), a fixed-size buffer per layer: the last `window` tokens' keys and values
+    and the first `sinks` tokens' (gla_attention.WINDOW_BUFFERS).
 
-    The state does not grow with the context: this is the whole cache. transformers'
+    Neither grows with the context: this is the whole cache. transformers'
     `Cache.get_seq_length()` raises when every layer is linear, so the count is kept here.
     """
 
@@ -104,6 +106,7 @@ class GLASwapCache(Cache):
     def __init__(self, num_layers=0):
         super().__init__(layers=[])
         self.states = [None] * num_layers
+        self.windows = [None] * num_layers
         self.seen_tokens = 0
 
     def recurrent_state(self, layer_idx):
@@ -111,6 +114,19 @@ class GLASwapCache(Cache):
 
     def set_recurrent_state(self, layer_idx, state):
         self.states[layer_idx] = state
+
+    def window_buffers(self, layer_idx):
+        return self.windows[layer_idx] if layer_idx < len(self.windows) else None
+
+    def set_window_buffers(self, layer_idx, buffers):
+        while len(self.windows) <= layer_idx:
+            self.windows.append(None)
+        self.windows[layer_idx] = buffers
+
+    def _map_batch(self, fn):
+        """Apply fn to every per-row tensor (the batch is dimension 0 of each)."""
+        self.states = [fn(s) if s is not None else None for s in self.states]
+        self.windows = [{k: fn(t) for k, t in w.items()} if w is not None else None for w in self.windows]
 
     def get_seq_length(self, layer_idx=0):
         return self.seen_tokens
@@ -133,16 +149,17 @@ class GLASwapCache(Cache):
                              "or beam search")
 
     def reorder_cache(self, beam_idx):
-        self.states = [s.index_select(0, beam_idx.to(s.device)) if s is not None else None for s in self.states]
+        self._map_batch(lambda s: s.index_select(0, beam_idx.to(s.device)))
 
     def batch_repeat_interleave(self, repeats):
-        self.states = [s.repeat_interleave(repeats, dim=0) if s is not None else None for s in self.states]
+        self._map_batch(lambda s: s.repeat_interleave(repeats, dim=0))
 
     def batch_select_indices(self, indices):
-        self.states = [s[indices] if s is not None else None for s in self.states]
+        self._map_batch(lambda s: s[indices])
 
     def reset(self):
         self.states = [None] * len(self.states)
+        self.windows = [None] * len(self.states)
         self.seen_tokens = 0
 
     def __len__(self):
@@ -192,11 +209,11 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
     def forward(self, hidden_states, position_embeddings, attention_mask=None, past_key_values=None,
-                cu_seqlens=None):
+                cu_seqlens=None, position_ids=None):
         residual = hidden_states
         h, _ = self.self_attn(self.input_layernorm(hidden_states), position_embeddings=position_embeddings,
                               attention_mask=attention_mask, past_key_values=past_key_values,
-                              cu_seqlens=cu_seqlens)
+                              cu_seqlens=cu_seqlens, position_ids=position_ids)
         hidden_states = residual + h
         hidden_states = hidden_states + self.mlp(self.post_attention_layernorm(hidden_states))
         if self.self_attn.transfer:
@@ -300,10 +317,10 @@ class GLASwapModel(GLASwapPreTrainedModel):
             if self.gradient_checkpointing and self.training:
                 hidden_states = self._gradient_checkpointing_func(
                     layer.__call__, hidden_states, position_embeddings, attention_mask, past_key_values,
-                    cu_seqlens)
+                    cu_seqlens, position_ids)
             else:
                 hidden_states = layer(hidden_states, position_embeddings, attention_mask, past_key_values,
-                                      cu_seqlens)
+                                      cu_seqlens, position_ids)
             if isinstance(hidden_states, tuple):  # attention transfer: (hidden, this layer's loss)
                 hidden_states, loss = hidden_states
                 transfer_losses.append(loss)

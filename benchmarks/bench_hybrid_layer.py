@@ -1,0 +1,108 @@
+"""Benchmark one whole attention layer: pure GLA, hybrid (window + sinks, both mixes) and the
+teacher's softmax attention (SDPA), forward+backward, bf16.
+
+The layer is glaswap's GLAAttention at a Llama-3.2-1B attention shape (hidden 2048, 32 heads,
+8 KV heads, D 64; hedgehog_pm maps, low-rank gate, normaliser) and at H16 D128 (hidden 2048,
+16 heads, 8 KV heads); gradients reach every parameter and the input, as in stage 2. The table
+gives median ms and the ratios the hybrid-layer issue sets: hybrid / pure GLA (target <= 1.25)
+and teacher / hybrid (target >= 1.5 at T = 2048).
+
+    python benchmarks/bench_hybrid_layer.py
+    python benchmarks/bench_hybrid_layer.py --windows 64 --sinks 4 --json out.json
+    python benchmarks/bench_hybrid_layer.py --dry-run     # CPU, Triton interpreter, tiny shapes
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+import torch
+from bench_kernels import bench_device  # same folder: run as a script
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(HERE))
+
+
+def shapes(dry_run):
+    if dry_run:
+        return [dict(name="1x40 H4 D16", B=1, T=40, hidden=64, H=4, KV=2, D=16)]
+    return [dict(name=f"{B}x{T} H{H} D{D}", B=B, T=T, hidden=2048, H=H, KV=8, D=D)
+            for H, D in [(32, 64), (16, 128)] for B, T in [(8, 2048), (1, 16384)]]
+
+
+def layer(s, options, device, dtype):
+    from glaswap.layers.gla_attention import GLAAttention
+    from glaswap.models.configuration_glaswap import GLASwapConfig
+
+    cfg = GLASwapConfig(hidden_size=s["hidden"], num_attention_heads=s["H"], num_key_value_heads=s["KV"],
+                        head_dim=s["D"], num_hidden_layers=1, vocab_size=128, feature_map="hedgehog_pm",
+                        gate_init_decay=0.995, rope_parameters={"rope_type": "default", "rope_theta": 5e5},
+                        **options)
+    torch.manual_seed(0)
+    return GLAAttention(cfg, 0).to(device=device, dtype=dtype)
+
+
+def bench(fn, dry_run):
+    if dry_run:
+        import time
+        fn()
+        t = time.perf_counter()
+        fn()
+        return (time.perf_counter() - t) * 1e3
+    import triton.testing
+    return triton.testing.do_bench(fn, warmup=10, rep=60, return_mode="median")
+
+
+def time_layer(s, options, mode, device, dtype, dry_run):
+    from glaswap.models.modeling_glaswap import RotaryEmbedding
+
+    attn = layer(s, options, device, dtype)
+    attn.mode = mode
+    x = torch.randn(s["B"], s["T"], s["hidden"], device=device, dtype=dtype, requires_grad=True)
+    cos, sin = RotaryEmbedding(attn.config).to(device)(x, torch.arange(s["T"], device=device)[None])
+    do = torch.randn_like(x)
+
+    def fwd_bwd():
+        out, _ = attn(x, position_embeddings=(cos, sin))
+        out.backward(do)
+    return bench(fwd_bwd, dry_run)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--windows", default="16,64,128", help="comma-separated window lengths")
+    ap.add_argument("--sinks", default="0,4", help="comma-separated sink counts")
+    ap.add_argument("--mixes", default="shared,learned")
+    ap.add_argument("--json", help="write the rows here")
+    ap.add_argument("--dry-run", action="store_true", help="CPU, the Triton interpreter, tiny shapes")
+    args = ap.parse_args(argv)
+    device = bench_device(args.dry_run)
+    if device is None:
+        return 1
+    dtype = torch.float32 if args.dry_run else torch.bfloat16
+    variants = [(w, sk, mix) for w in map(int, args.windows.split(",")) for sk in map(int, args.sinks.split(","))
+                for mix in args.mixes.split(",")]
+    rows = []
+    for s in shapes(args.dry_run):
+        gla = time_layer(s, {}, "gla", device, dtype, args.dry_run)
+        teacher = time_layer(s, {}, "softmax", device, dtype, args.dry_run)
+        print(f"{s['name']}: pure GLA {gla:.3f} ms, teacher softmax (SDPA) {teacher:.3f} ms")
+        for w, sk, mix in variants:
+            ms = time_layer(s, {"window": w, "sinks": sk, "window_mix": mix}, "gla", device, dtype, args.dry_run)
+            row = dict(shape=s["name"], window=w, sinks=sk, mix=mix, ms=ms, gla_ms=gla, teacher_ms=teacher,
+                       hybrid_over_gla=ms / gla, teacher_over_hybrid=teacher / ms)
+            rows.append(row)
+            print(f"  W{w:<4} S{sk} {mix:<8} {ms:8.3f} ms   hybrid/GLA {ms / gla:5.2f}   teacher/hybrid "
+                  f"{teacher / ms:5.2f}", flush=True)
+    if args.json:
+        with open(args.json + ".tmp", "w") as fh:
+            json.dump(rows, fh, indent=1)
+        os.replace(args.json + ".tmp", args.json)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

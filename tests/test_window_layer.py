@@ -1,0 +1,178 @@
+"""Hybrid GLA layers (config.window, sinks, window_mix): the layer against a direct O(T^2)
+form of its definition, the teacher reproduced on documents no longer than the window,
+packed documents, the Triton path, attention transfer, and conversion's options.
+
+The cache paths (prefill in chunks, decode steps, left padding, beam search, loading
+without glaswap) run in test_generate.py's variants "llama-window" and "qwen3-window-mix".
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from click.testing import CliRunner
+from helpers import randomise_new_parameters, read_json, save_teacher, tiny_teacher
+
+from glaswap.cli import main
+from glaswap.convert import glaswap_config
+from glaswap.models.modeling_glaswap import GLASwapForCausalLM
+from glaswap_kernels.gla_torch import apply_rope
+
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def hybrid_student(options, arch="llama", layers=1, seed=0):
+    teacher = tiny_teacher(arch, layers=layers)
+    torch.manual_seed(seed)
+    student = GLASwapForCausalLM(glaswap_config(teacher.config.to_dict(), options))
+    student.load_state_dict(teacher.state_dict(), strict=False)
+    return teacher, student.eval()
+
+
+def reference_attention(attn, x, cos, sin):
+    """The hybrid layer's output written out from its definition, one query at a time:
+    exact exp-scores over the window and the sinks, phi(q_i) diag(decays) phi(k_j) over the
+    keys that have entered the state (j >= S, j <= i - W; decays from step j + W + 1 to i)."""
+    cfg = attn.config
+    W, S = cfg.window, cfg.sinks
+    B, T, _ = x.shape
+    q, k, v = attn._project(x)
+    g = attn._gate(x, k).float()                                   # [B, T, Hkv, F]
+    qr, kr = apply_rope(q, cos, sin).float(), apply_rope(k, cos, sin).float()
+    keep = attn._rope_keep if attn._rope_keep is not None else 1.0
+    c2, s2 = (cos * keep + (1 - keep), sin * keep) if cfg.rope_max_wavelength else (cos, sin)
+    fq, fk = attn.q_map(q, c2, s2, "torch").float(), attn.k_map(k, c2, s2, "torch").float()
+    H, R = attn.num_heads, attn.num_heads // attn.num_kv_heads
+    c = attn.window_mix.logit.float()
+    cum = torch.cumsum(g, 1)                                        # sum of g up to each step
+    out = torch.zeros(B, T, H, attn.head_dim)
+    for b in range(B):
+        for h in range(H):
+            kv = h // R
+            for i in range(T):
+                win = [j for j in range(i + 1) if j > i - W or j < S]
+                e = torch.stack([torch.exp(qr[b, i, h] @ kr[b, j, kv] * attn.head_dim ** -0.5) for j in win])
+                o_win = (e[:, None] * v[b, win, kv].float()).sum(0) / e.sum()
+                lin = [j for j in range(S, i - W + 1)]
+                if not lin:
+                    out[b, i, h] = o_win
+                    continue
+                a = torch.stack([(fq[b, i, h] * fk[b, j, kv] * torch.exp(cum[b, i, kv] - cum[b, j + W, kv])).sum()
+                                 for j in lin])
+                num, den = (a[:, None] * v[b, lin, kv].float()).sum(0), a.sum()
+                if cfg.window_mix == "shared":
+                    ew = e.sum()
+                    out[b, i, h] = (ew * o_win + c[h].exp() * num) / (ew + c[h].exp() * den)
+                else:
+                    lam = torch.sigmoid(c[h])
+                    out[b, i, h] = (1 - lam) * o_win + lam * num / den
+    return attn.o_proj(out.reshape(B, T, -1))
+
+
+@pytest.mark.parametrize("options", [
+    {"window": 3, "sinks": 2},
+    {"window": 4, "sinks": 0, "window_mix": "learned"},
+    {"window": 2, "sinks": 1, "feature_map": "hedgehog_pm", "rope_max_wavelength": 16.0},
+])
+def test_layer_matches_its_definition(options):
+    _, student = hybrid_student(options)
+    randomise_new_parameters(student)
+    attn = student.model.layers[0].self_attn
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(2, 11, student.config.hidden_size, generator=gen)
+    pos = torch.arange(11)[None]
+    cos, sin = student.model.rotary_emb(x, pos)
+    with torch.no_grad():
+        got, _ = attn(x, position_embeddings=(cos, sin))
+        want = reference_attention(attn, x, cos, sin)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("mix", ["shared", "learned"])
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_step0_reproduces_the_teacher_within_the_window(arch, mix):
+    """A document no longer than the window gets exactly the teacher's attention (sinks too)."""
+    teacher, student = hybrid_student({"window": 12, "sinks": 2, "window_mix": mix}, arch=arch, layers=2)
+    randomise_new_parameters(student)                  # whatever the gates and maps have learned
+    ids = torch.randint(0, 128, (2, 12), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        want = teacher(ids).logits
+        got = student(ids, use_cache=False).logits
+        longer = student(torch.cat([ids, ids], 1), use_cache=False).logits
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    assert (longer[:, 12:] - teacher(torch.cat([ids, ids], 1)).logits[:, 12:]).abs().max() > 1e-3
+
+
+def test_packed_documents_match_each_document_alone():
+    _, student = hybrid_student({"window": 3, "sinks": 1})
+    randomise_new_parameters(student)
+    gen = torch.Generator().manual_seed(4)
+    docs = [torch.randint(0, 128, (n,), generator=gen) for n in (7, 2, 9)]
+    ids = torch.cat(docs)[None]
+    cu = torch.tensor([0, 7, 9, 18], dtype=torch.int32)
+    with torch.no_grad():
+        packed = student(ids, cu_seqlens=cu, use_cache=False).logits[0]
+        for d, a in zip(docs, (0, 7, 9)):
+            alone = student(d[None], use_cache=False).logits[0]
+            torch.testing.assert_close(packed[a:a + len(d)], alone, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.skipif(not (torch.cuda.is_available() or INTERPRETED), reason="needs CUDA or TRITON_INTERPRET=1")
+def test_triton_path_matches_torch_path():
+    """The window kernels and the GLA kernels under a hybrid layer: logits and every gradient."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    _, student = hybrid_student({"window": 4, "sinks": 2})
+    randomise_new_parameters(student)
+    student = student.to(device)
+    ids = torch.randint(0, 128, (1, 19), generator=torch.Generator().manual_seed(3)).to(device)
+    results = []
+    for backend in ("torch", "triton"):
+        student.config.gla_backend = backend
+        student.zero_grad()
+        logits = student(ids, use_cache=False).logits
+        logits.float().pow(2).mean().backward()
+        results.append((logits.detach(), {n: p.grad.clone() for n, p in student.named_parameters()}))
+    (ref, ref_grads), (got, grads) = results
+    assert (got - ref).norm() / ref.norm() < 1e-5
+    for name, g in ref_grads.items():
+        assert torch.isfinite(grads[name]).all(), name
+        assert (grads[name] - g).norm() <= 1e-4 * g.norm() + 1e-12, name
+
+
+def test_attention_transfer_trains_the_mix():
+    """Stage 1 matches the whole hybrid layer to the teacher's: the mix logit gets a gradient."""
+    _, student = hybrid_student({"window": 2, "sinks": 1}, layers=2)
+    randomise_new_parameters(student)
+    assert any(n.endswith("window_mix.logit") for n in student.new_parameter_names())
+    student.set_attention_mode("softmax")
+    for layer in student.model.layers:
+        layer.self_attn.transfer = True
+    ids = torch.randint(0, 128, (2, 10), generator=torch.Generator().manual_seed(5))
+    out = student.model(input_ids=ids, use_cache=False)
+    torch.stack(out.transfer_losses).mean().backward()
+    grad = student.model.layers[0].self_attn.window_mix.logit.grad
+    assert grad is not None and grad.abs().sum() > 0
+
+
+def test_convert_records_the_window(tmp_path):
+    src = save_teacher(tiny_teacher("llama"), tmp_path / "src")
+    r = CliRunner().invoke(main, ["convert", str(src), str(tmp_path / "out"), "--window", "8", "--sinks", "4",
+                                  "--window-mix", "learned", "--no-report"])
+    assert r.exit_code == 0, r.output
+    cfg = read_json(tmp_path / "out" / "config.json")
+    assert (cfg["window"], cfg["sinks"], cfg["window_mix"]) == (8, 4, "learned")
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["--sinks", "4"], "sinks need a window"),
+    (["--window", "8", "--feature-map", "identity", "--no-normalizer"], "a window needs the normalizer"),
+    (["--window", "-1"], "-1"),
+])
+def test_convert_refuses_bad_window_options(tmp_path, args, needle):
+    src = save_teacher(tiny_teacher("llama"), tmp_path / "src")
+    r = CliRunner().invoke(main, ["convert", str(src), str(tmp_path / "out"), "--no-report", *args])
+    assert r.exit_code != 0 and needle in r.output, r.output
+    assert "Traceback" not in r.output
+    assert not (tmp_path / "out").exists()
