@@ -54,6 +54,7 @@ def _chunk_loss(h_s, h_t, weight, labels, ce_weight: float, temperature: float):
 
 
 def _torch_kd(h_student, h_teacher, weight, labels, ce_weight, temperature, chunk_tokens, parts):
+    """kd_loss by the torch path: checkpointed chunks of chunk_tokens tokens."""
     n = h_student.shape[0]
     kl_sum = h_student.new_zeros((), dtype=torch.float32)
     ce_sum = h_student.new_zeros((), dtype=torch.float32)
@@ -119,6 +120,7 @@ def resolve_loss_impl(impl: str, device) -> str:
 
 
 def _liger_kd(h_student, h_teacher, weight, labels, ce_weight, temperature, chunk_tokens, parts):
+    """kd_loss by liger-kernel's fused loss, chunks of chunk_tokens tokens."""
     fn = _load_liger()[0]
     n = h_student.shape[0]
     apart = parts is not None and bool(ce_weight)  # the terms apart cost nothing once CE is computed
