@@ -1,17 +1,31 @@
 """Distillation losses: each stage's loss of a batch, and the KL they rest on.
 
 The vocabulary projection is the largest tensor of a step (tokens x vocabulary, 128K words
-for Llama 3), so the KL is computed a chunk of tokens at a time from the final hidden
-states, each chunk under activation checkpointing: only the hidden states stay in memory.
+for Llama 3), so stage 2's loss never holds all of its logits at once. Two implementations
+give the same value:
+
+- torch: a chunk of tokens at a time from the final hidden states, each chunk under
+  activation checkpointing (only the hidden states stay in memory; the backward computes
+  the chunk's logits again). Runs anywhere.
+- liger: liger-kernel's fused linear distillation loss (`pip install liger-kernel`), which
+  takes each chunk's gradient during the forward, so the logits are never computed twice
+  (it also computes the head's gradient, whether the head trains or not).
+
+`stage2.loss_impl` picks one; auto takes liger for CUDA tensors when it imports.
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from glaswap.distill.student import adapters_off
+from glaswap.errors import GlaswapError
+
+LOSS_IMPLS = ("auto", "torch", "liger")
 
 
 def next_token_labels(input_ids: torch.Tensor, cu_seqlens: torch.Tensor | None) -> torch.Tensor:
@@ -39,20 +53,14 @@ def _chunk_loss(h_s, h_t, weight, labels, ce_weight: float, temperature: float):
     return kl, ce
 
 
-def kd_loss(h_student, h_teacher, lm_head_weight, labels, ce_weight=0.0, temperature=1.0, chunk_tokens=4096,
-            parts: dict | None = None):
-    """Mean over tokens of KL(teacher || student) (+ ce_weight * cross-entropy) from hidden states.
-
-    h_student [N, d] carries gradients, h_teacher [N, d] does not; lm_head_weight [V, d].
-    `parts`, when given, receives the two terms apart (detached means over the same tokens,
-    the cross-entropy unweighted and only when ce_weight is set), for the metrics log.
-    """
+def _torch_kd(h_student, h_teacher, weight, labels, ce_weight, temperature, chunk_tokens, parts):
+    """kd_loss by the torch path: checkpointed chunks of chunk_tokens tokens."""
     n = h_student.shape[0]
     kl_sum = h_student.new_zeros((), dtype=torch.float32)
     ce_sum = h_student.new_zeros((), dtype=torch.float32)
     for start in range(0, n, chunk_tokens):
         end = min(n, start + chunk_tokens)
-        args = (h_student[start:end], h_teacher[start:end].detach(), lm_head_weight, labels[start:end],
+        args = (h_student[start:end], h_teacher[start:end].detach(), weight, labels[start:end],
                 ce_weight, temperature)
         if torch.is_grad_enabled() and h_student.requires_grad:
             kl, ce = checkpoint(_chunk_loss, *args, use_reentrant=False)
@@ -65,6 +73,88 @@ def kd_loss(h_student, h_teacher, lm_head_weight, labels, ce_weight=0.0, tempera
             parts["ce"] = ce_sum.detach() / n
     total = kl_sum + ce_weight * ce_sum if ce_weight else kl_sum
     return total / n
+
+
+# ----------------------------------------------------------------------------- liger-kernel
+@functools.cache
+def _load_liger():
+    """(liger's distillation function as glaswap calls it, None), or (None, why it did not import)."""
+    try:
+        from liger_kernel.chunked_loss.jsd_loss import LigerFusedLinearJSDFunction
+    except Exception as e:  # not installed, or installed without a working Triton
+        return None, f"{type(e).__name__}: {(str(e).splitlines() or [''])[0]}"
+
+    class EveryTokenKL(LigerFusedLinearJSDFunction):
+        """Liger's JSD at beta 0, which is KL(teacher || student), over every token, in float32.
+
+        Liger leaves the KL of tokens whose label is -100 out; glaswap's loss keeps them (the
+        teacher's distribution there is still worth matching), so the per-chunk KL gets no
+        labels. The cross-entropy still skips those tokens. Liger takes the log-softmax in the
+        logits' dtype (bf16 outside CUDA autocast); in float32, as the torch path does, the
+        loss and gradient keep the precision of the bf16 logits themselves."""
+
+        @staticmethod
+        def distillation_loss_fn(student_logits, teacher_logits, beta=0.0, target=None, ignore_index=-100):
+            return LigerFusedLinearJSDFunction.distillation_loss_fn(student_logits.float(), teacher_logits.float(),
+                                                                    beta=beta)
+
+    return EveryTokenKL, None
+
+
+def liger_missing() -> str | None:
+    """Why liger-kernel cannot be used here (one line), or None when it imports."""
+    return _load_liger()[1]
+
+
+def resolve_loss_impl(impl: str, device) -> str:
+    """"torch" or "liger" for `stage2.loss_impl` = impl and tensors on `device`."""
+    if impl not in LOSS_IMPLS:
+        raise GlaswapError(f"stage2.loss_impl is {impl!r}; choose {', '.join(LOSS_IMPLS)}")
+    if impl == "torch" or (impl == "auto" and torch.device(device).type != "cuda"):
+        return "torch"
+    why = liger_missing()
+    if impl == "liger" and why:
+        raise GlaswapError(f"stage2.loss_impl is liger but liger-kernel does not import ({why}); "
+                           f"pip install liger-kernel, or set stage2.loss_impl=torch")
+    return "torch" if why else "liger"
+
+
+def _liger_kd(h_student, h_teacher, weight, labels, ce_weight, temperature, chunk_tokens, parts):
+    """kd_loss by liger-kernel's fused loss, chunks of chunk_tokens tokens."""
+    fn = _load_liger()[0]
+    n = h_student.shape[0]
+    apart = parts is not None and bool(ce_weight)  # the terms apart cost nothing once CE is computed
+    # Liger's loss: ce_weight * CE + T^2 * KL, both summed over chunks of chunk_tokens and
+    # divided by the tokens that have a label; torch.compile fuses each chunk on CUDA.
+    out = fn.apply(h_student, weight, h_teacher.detach(), weight, labels,
+                   None, None,                                   # no biases
+                   float(ce_weight), float(temperature) ** 2,    # hard and soft weights
+                   0.0, -100, float(temperature),                # beta (forward KL), ignore_index, T
+                   h_student.is_cuda, chunk_tokens, apart)       # compiled, chunk size, terms apart
+    loss, kl, ce = out if apart else (out, None, None)
+    per_token = (labels != -100).sum().clamp_min(1) / n  # ... and glaswap's divides by all tokens
+    if parts is not None:
+        parts["kl"] = (kl * temperature ** 2 if apart else loss).detach() * per_token
+        if ce_weight:
+            parts["ce"] = ce.detach() * per_token
+    return loss * per_token
+
+
+def kd_loss(h_student, h_teacher, lm_head_weight, labels, ce_weight=0.0, temperature=1.0, chunk_tokens=4096,
+            parts: dict | None = None, impl: str = "auto"):
+    """Mean over tokens of KL(teacher || student) (+ ce_weight * cross-entropy) from hidden states.
+
+    h_student [N, d] carries gradients, h_teacher [N, d] does not; lm_head_weight [V, d] (the
+    teacher's and the student's). The KL, at temperature T, is scaled by T^2 and covers every
+    token; the cross-entropy skips labels of -100. `parts`, when given, receives the two terms
+    apart (detached means over the same tokens, the cross-entropy unweighted and only when
+    ce_weight is set), for the metrics log. `impl`: auto, torch or liger (module docstring);
+    without gradients to compute it is always torch, whose forward alone is the cheaper.
+    """
+    use = resolve_loss_impl(impl, h_student.device)
+    if use == "liger" and torch.is_grad_enabled() and h_student.requires_grad:
+        return _liger_kd(h_student, h_teacher, lm_head_weight, labels, ce_weight, temperature, chunk_tokens, parts)
+    return _torch_kd(h_student, h_teacher, lm_head_weight, labels, ce_weight, temperature, chunk_tokens, parts)
 
 
 def transfer_step(lm, batch):
@@ -83,5 +173,5 @@ def kd_step(lm, batch, cfg):
     labels = next_token_labels(ids, cu)
     parts = {}
     loss = kd_loss(h_s.flatten(0, 1), h_t.flatten(0, 1), lm.lm_head.weight, labels, cfg.ce_weight,
-                   cfg.kd_temperature, cfg.loss_chunk_tokens, parts=parts)
+                   cfg.kd_temperature, cfg.loss_chunk_tokens, parts=parts, impl=cfg.loss_impl)
     return (loss, parts) if cfg.ce_weight else loss
