@@ -20,7 +20,8 @@ import os
 import sys
 
 import torch
-from bench_kernels import bench_device  # same folder: run as a script
+import bench_kernels  # same folder: run as a script
+from bench_kernels import bench_device
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
@@ -45,18 +46,7 @@ def layer(s, options, device, dtype):
     return GLAAttention(cfg, 0).to(device=device, dtype=dtype)
 
 
-def bench(fn, dry_run):
-    if dry_run:
-        import time
-        fn()
-        t = time.perf_counter()
-        fn()
-        return (time.perf_counter() - t) * 1e3
-    import triton.testing
-    return triton.testing.do_bench(fn, warmup=10, rep=60, return_mode="median")
-
-
-def time_layer(s, options, mode, device, dtype, dry_run):
+def time_layer(s, options, mode, device, dtype):
     from glaswap.models.modeling_glaswap import RotaryEmbedding
 
     attn = layer(s, options, device, dtype)
@@ -68,7 +58,7 @@ def time_layer(s, options, mode, device, dtype, dry_run):
     def fwd_bwd():
         out, _ = attn(x, position_embeddings=(cos, sin))
         out.backward(do)
-    return bench(fwd_bwd, dry_run)
+    return bench_kernels.bench(fwd_bwd, quick=True)
 
 
 def main(argv=None):
@@ -79,6 +69,7 @@ def main(argv=None):
     ap.add_argument("--json", help="write the rows here")
     ap.add_argument("--dry-run", action="store_true", help="CPU, the Triton interpreter, tiny shapes")
     args = ap.parse_args(argv)
+    bench_kernels.DRY_RUN = args.dry_run
     device = bench_device(args.dry_run)
     if device is None:
         return 1
@@ -87,11 +78,11 @@ def main(argv=None):
                 for mix in args.mixes.split(",")]
     rows = []
     for s in shapes(args.dry_run):
-        gla = time_layer(s, {}, "gla", device, dtype, args.dry_run)
-        teacher = time_layer(s, {}, "softmax", device, dtype, args.dry_run)
+        gla = time_layer(s, {}, "gla", device, dtype)
+        teacher = time_layer(s, {}, "softmax", device, dtype)
         print(f"{s['name']}: pure GLA {gla:.3f} ms, teacher softmax (SDPA) {teacher:.3f} ms")
         for w, sk, mix in variants:
-            ms = time_layer(s, {"window": w, "sinks": sk, "window_mix": mix}, "gla", device, dtype, args.dry_run)
+            ms = time_layer(s, {"window": w, "sinks": sk, "window_mix": mix}, "gla", device, dtype)
             row = dict(shape=s["name"], window=w, sinks=sk, mix=mix, ms=ms, gla_ms=gla, teacher_ms=teacher,
                        hybrid_over_gla=ms / gla, teacher_over_hybrid=teacher / ms)
             rows.append(row)

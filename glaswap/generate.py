@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 from glaswap.errors import GlaswapError
-from glaswap.layers.gla_attention import feature_dim, state_heads
+from glaswap.layers.gla_attention import empty_window_buffers, feature_dim, state_heads
 from glaswap.models.modeling_glaswap import CACHE_NAME, GLASwapCache, cache_of
 from glaswap.runtime import (atomic_write, check_model_folder, load_student, load_teacher, load_tokenizer,
                              pick_device, pick_dtype, teacher_source, versions)
@@ -79,13 +79,32 @@ class _StaticStep:
         self.pos = torch.zeros(batch_size, 1, dtype=torch.long, device=dev)
         self.states = [torch.zeros(batch_size, state_heads(cfg), feature_dim(cfg), v_dim,
                                    dtype=torch.float32, device=dev) for _ in range(cfg.num_hidden_layers)]
+        # Hybrid layers: their window and sink buffers are static too (fixed size, like the state).
+        self.windows = [self._empty_window(cfg, batch_size, dev) if cfg.window else None
+                        for _ in range(cfg.num_hidden_layers)]
         self.cache = GLASwapCache(cfg.num_hidden_layers)
         self.logits = None
         self.owner = None                                          # weakref to the cache aliasing self.states
         self._capture(backend, dev)
 
+    def _empty_window(self, cfg, batch_size, dev):
+        dtype = self.model.model.layers[0].self_attn.q_proj.weight.dtype
+        k_r = torch.zeros(1, 1, cfg.num_key_value_heads, cfg.head_dim, dtype=dtype, device=dev)
+        fk = torch.zeros(1, 1, state_heads(cfg), feature_dim(cfg), dtype=dtype, device=dev)
+        return empty_window_buffers(batch_size, cfg.window, cfg.sinks, k_r, fk)
+
+    def _alias(self, cache):
+        """Point `cache` at the static buffers."""
+        cache.states = list(self.states)
+        cache.windows = [dict(w) if w is not None else None for w in self.windows]
+
+    def _aliases(self, cache) -> bool:
+        return (len(cache.states) == len(self.states) and all(s is b for s, b in zip(cache.states, self.states))
+                and all(w is None or (c is not None and all(c[k] is t for k, t in w.items()))
+                        for w, c in zip(self.windows, cache.windows)))
+
     def _run(self):
-        self.cache.states = list(self.states)
+        self._alias(self.cache)
         hidden = self.model.model(input_ids=self.ids, position_ids=self.pos, past_key_values=self.cache,
                                   use_cache=True).last_hidden_state
         logits = self.model.lm_head(hidden)
@@ -94,7 +113,10 @@ class _StaticStep:
         self.logits.copy_(logits)
         for buf, new in zip(self.states, self.cache.states):
             buf.copy_(new)
-        self.cache.states = list(self.states)
+        for buf, new in zip(self.windows, self.cache.windows):
+            for key, t in (buf or {}).items():
+                t.copy_(new[key])
+        self._alias(self.cache)
 
     def _capture(self, backend, dev):
         if backend == "replay":
@@ -113,19 +135,32 @@ class _StaticStep:
             self._run()
 
     def adopt(self, cache):
-        """Make `cache`'s states the static buffers (copying its values in) unless they already are."""
-        if len(cache.states) == len(self.states) and all(s is b for s, b in zip(cache.states, self.states)):
+        """Make `cache`'s states (and window buffers) the static buffers, copying its values in,
+        unless they already are."""
+        if self._aliases(cache):
             return
         previous = self.owner() if self.owner is not None else None
         if previous is not None and previous is not cache and any(
                 s is b for s, b in zip(previous.states, self.states)):
             previous.states = [b.clone() for b in self.states]    # another cache keeps its own copy
+            previous.windows = [{k: t.clone() for k, t in w.items()} if w is not None else None
+                                for w in self.windows]
         for buf, s in zip(self.states, cache.states):
             if s is None:
                 buf.zero_()
             else:
                 buf.copy_(s)
-        cache.states = list(self.states)
+        empty = None
+        for i, buf in enumerate(self.windows):
+            if buf is None:
+                continue
+            src = cache.window_buffers(i)
+            if src is None:
+                empty = empty or self._empty_window(self.model.config, buf["pos"].shape[0], buf["pos"].device)
+                src = empty
+            for key, t in buf.items():
+                t.copy_(src[key])
+        self._alias(cache)
         self.owner = weakref.ref(cache)
 
 
@@ -162,7 +197,6 @@ class DecodeGraph:
                 and input_ids.shape[1] == 1 and isinstance(cache, GLASwapCache)
                 and not torch.is_grad_enabled() and not self.model.training
                 and (self.backend != "cuda" or input_ids.is_cuda)
-                and not getattr(self.model.config, "window", 0)   # hybrid layers decode eagerly
                 and all(layer.self_attn.mode == "gla" for layer in self.model.model.layers))
 
     def step(self, input_ids, position_ids, cache):
@@ -319,6 +353,8 @@ def check_decode_graph(model, prompt, steps: int = 8, backend: str = "cuda") -> 
     eager_cache = cache_of(out)
     graph_cache = GLASwapCache(len(eager_cache))
     graph_cache.states = [s.clone() for s in eager_cache.states]
+    graph_cache.windows = [{k: t.clone() for k, t in w.items()} if w is not None else None
+                           for w in eager_cache.windows]
     graph_cache.seen_tokens = eager_cache.seen_tokens
     token = out.logits[:, -1:].argmax(-1)
     previous = model.decode_runner

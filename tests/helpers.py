@@ -116,6 +116,18 @@ def randomise_new_parameters(model, seed: int = 0, scale: float = 0.3):
                 p.add_(scale * torch.randn(p.shape, generator=gen))
 
 
+def logits_and_grads_by_backend(model, ids, backends=("torch", "triton")):
+    """[(logits, {name: gradient})] of mean(logits^2) forward and backward under each GLA backend."""
+    results = []
+    for backend in backends:
+        model.config.gla_backend = backend
+        model.zero_grad()
+        logits = model(ids, use_cache=False).logits
+        logits.float().pow(2).mean().backward()
+        results.append((logits.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}))
+    return results
+
+
 def converted_tiny(root: Path, teacher=None, tokenizer=None) -> Path:
     """root/gla: a tiny Llama (or `teacher`, saved to root/src) converted, its new parameters
     randomised, with `tokenizer` saved beside it when given."""

@@ -302,7 +302,7 @@ print("same", torch.equal(cached, case["expected"]), torch.equal(uncached, case[
 
 
 # ----------------------------------------------------------------------------- decode graph (buffer logic)
-@pytest.mark.parametrize("variant", ["llama", "qwen2-scalar"])
+@pytest.mark.parametrize("variant", ["llama", "qwen2-scalar", "llama-window", "qwen3-window-mix"])
 def test_static_buffer_decode_matches_eager(folders, variant):
     """The graph path's static buffers, run eagerly ("replay"): the same logits, exactly."""
     model = _load(folders[variant])
@@ -320,8 +320,9 @@ def test_static_buffer_decode_matches_eager(folders, variant):
     assert torch.equal(beams, _greedy(model, ids, mask, num_beams=3, n=6))
 
 
-def test_static_buffer_decode_keeps_interleaved_caches_apart(folders):
-    model = _load(folders["llama"])
+@pytest.mark.parametrize("variant", ["llama", "llama-window"])
+def test_static_buffer_decode_keeps_interleaved_caches_apart(folders, variant):
+    model = _load(folders[variant])
     prompts = [torch.tensor([[5, 9, 77, 3]]), torch.tensor([[100, 2, 31, 64, 8, 8]])]
 
     def run(steps=6):
@@ -346,6 +347,9 @@ def test_static_buffer_decode_keeps_interleaved_caches_apart(folders):
         assert a.seen_tokens == b.seen_tokens
         for sa, sb in zip(a.states, b.states):
             torch.testing.assert_close(sb, sa, rtol=0, atol=1e-6)
+        for wa, wb in zip(a.windows, b.windows):
+            for key in wa or {}:
+                torch.testing.assert_close(wb[key], wa[key], rtol=0, atol=1e-6)
 
 
 def test_static_buffer_decode_recaptures_when_weights_move(folders):
@@ -413,10 +417,11 @@ def test_decode_graph_only_takes_what_it_can_serve(folders):
 # ----------------------------------------------------------------------------- decode graph on a GPU
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_cuda_graph_decode_matches_eager_on_gpu(folders, dtype):
+@pytest.mark.parametrize("variant", ["llama", "llama-window"])
+def test_cuda_graph_decode_matches_eager_on_gpu(folders, dtype, variant):
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
-    model = _load(folders["llama"], dtype).cuda()
+    model = _load(folders[variant], dtype).cuda()
     ids, mask = _left_padded([[7, 33, 91, 12, 5, 60, 61], [44, 18, 70]])
     ids, mask = ids.cuda(), mask.cuda()
     kw = dict(output_logits=True, return_dict_in_generate=True, n=16)

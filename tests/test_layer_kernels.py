@@ -141,7 +141,7 @@ def test_layer_triton_path_matches_torch_path(feature_map):
     path, logits and the gradient of every parameter. hedgehog_pm: K = 48, V = 24."""
     from glaswap.convert import glaswap_config
     from glaswap.models.modeling_glaswap import GLASwapForCausalLM
-    from helpers import tiny_teacher
+    from helpers import logits_and_grads_by_backend, tiny_teacher
 
     teacher = tiny_teacher("llama", layers=1)
     torch.manual_seed(0)
@@ -153,13 +153,7 @@ def test_layer_triton_path_matches_torch_path(feature_map):
                 p.add_(0.05 * torch.randn(p.shape, generator=torch.Generator().manual_seed(len(name))))
     student = student.to(DEVICE)
     ids = torch.randint(0, 128, (2, 21), generator=torch.Generator().manual_seed(3)).to(DEVICE)
-    results = []
-    for backend in ("torch", "triton"):
-        student.config.gla_backend = backend
-        student.zero_grad()
-        logits = student(ids, use_cache=False).logits
-        logits.float().pow(2).mean().backward()
-        results.append((logits.detach(), {n: p.grad.clone() for n, p in student.named_parameters()}))
+    results = logits_and_grads_by_backend(student, ids)
     (ref_logits, ref_grads), (logits, grads) = results
     assert rel(logits.cpu(), ref_logits.cpu()) < 1e-5
     for name, g in ref_grads.items():

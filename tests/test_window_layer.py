@@ -13,7 +13,7 @@ import os
 import pytest
 import torch
 from click.testing import CliRunner
-from helpers import randomise_new_parameters, read_json, save_teacher, tiny_teacher
+from helpers import logits_and_grads_by_backend, randomise_new_parameters, read_json, save_teacher, tiny_teacher
 
 from glaswap.cli import main
 from glaswap.convert import glaswap_config
@@ -127,13 +127,7 @@ def test_triton_path_matches_torch_path():
     randomise_new_parameters(student)
     student = student.to(device)
     ids = torch.randint(0, 128, (1, 19), generator=torch.Generator().manual_seed(3)).to(device)
-    results = []
-    for backend in ("torch", "triton"):
-        student.config.gla_backend = backend
-        student.zero_grad()
-        logits = student(ids, use_cache=False).logits
-        logits.float().pow(2).mean().backward()
-        results.append((logits.detach(), {n: p.grad.clone() for n, p in student.named_parameters()}))
+    results = logits_and_grads_by_backend(student, ids)
     (ref, ref_grads), (got, grads) = results
     assert (got - ref).norm() / ref.norm() < 1e-5
     for name, g in ref_grads.items():
@@ -176,3 +170,36 @@ def test_convert_refuses_bad_window_options(tmp_path, args, needle):
     assert r.exit_code != 0 and needle in r.output, r.output
     assert "Traceback" not in r.output
     assert not (tmp_path / "out").exists()
+
+
+def test_distill_trains_a_hybrid_and_its_adapter_carries_the_mix(tmp_path):
+    """A hybrid recipe through both stages: the mix logits train, peft saves them with the
+    gates and maps, and the adapter on the rebuilt base gives the distilled model's logits."""
+    import json
+    import shlex
+
+    from helpers import tiny_recipe
+    from peft import PeftModel
+
+    from glaswap.distill.recipe import load_recipe
+    from glaswap.distill.train import distill
+
+    recipe = tiny_recipe(tmp_path, s1=3, s2=2, model={"options": {"gate": "lowrank", "window": 3, "sinks": 1}})
+    out = tmp_path / "out"
+    distill(load_recipe(recipe), out=out, log=lambda *a, **k: None)
+    adapter = out / "adapter"
+    config = json.loads((adapter / "adapter_config.json").read_text())
+    assert "self_attn.window_mix" in config["modules_to_save"]
+    base = json.loads((adapter / "glaswap_base.json").read_text())
+    assert "--window 3" in base["command"] and "--sinks 1" in base["command"]
+    r = CliRunner().invoke(main, shlex.split(base["command"])[1:])
+    assert r.exit_code == 0, r.output
+    merged = GLASwapForCausalLM.from_pretrained(str(out), dtype=torch.float32).eval()
+    assert merged.config.window == 3 and merged.config.sinks == 1
+    assert merged.model.layers[0].self_attn.window_mix.logit.abs().max() > 0     # trained off its start
+    ids = (torch.arange(40)[None] * 7) % 128
+    with torch.no_grad():
+        want = merged(ids).logits
+        peft_model = PeftModel.from_pretrained(
+            GLASwapForCausalLM.from_pretrained(base["path"], dtype=torch.float32), str(adapter)).eval()
+        torch.testing.assert_close(peft_model(ids).logits, want, rtol=1e-4, atol=1e-4)

@@ -116,6 +116,10 @@ class WindowMix(nn.Module):
         super().__init__()
         self.logit = nn.Parameter(torch.zeros(heads))
 
+    def forward(self):
+        # read through forward(), so that peft's modules_to_save wrapper serves its trained copy
+        return self.logit.float()
+
 
 class GLAAttention(nn.Module):
     def __init__(self, config, layer_idx):
@@ -367,7 +371,7 @@ class GLAAttention(nn.Module):
     def _combine(self, o_win, lse, o_lin):
         """One output from the window's (o_win normalised, lse) and the state's (num, den)."""
         num, den = o_lin[..., :-1].float(), o_lin[..., -1].float()
-        logit = self.window_mix.logit.float()
+        logit = self.window_mix()
         if self.config.window_mix == "shared":
             # (e^lse o_win + e^c num) / (e^lse + e^c den): the state's share is sigmoid(c + log den - lse)
             share = torch.sigmoid(logit + torch.log(den.clamp_min(1e-30)) - lse)
