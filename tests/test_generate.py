@@ -451,9 +451,10 @@ def test_gpu_decode_memory_is_flat_in_context(folders):
 
 
 # ----------------------------------------------------------------------------- bench and CLI
-def test_bench_on_cpu_writes_table_json_and_png(folders, tmp_path):
+@pytest.mark.parametrize("variant", ["llama", "llama-window"])
+def test_bench_on_cpu_writes_table_json_and_png(folders, tmp_path, variant):
     lines = []
-    res = bench_model(folders["llama"], contexts=[8, 40], new_tokens=3, out=tmp_path / "b", log=lines.append)
+    res = bench_model(folders[variant], contexts=[8, 40], new_tokens=3, out=tmp_path / "b", log=lines.append)
     rows = res["rows"]
     assert [r["context"] for r in rows] == [8, 40]
     for r in rows:
