@@ -383,11 +383,10 @@ class GLAAttention(nn.Module):
         return o.to(o_win.dtype)
 
 
-WINDOW_BUFFERS = ("k", "v", "fk", "pos", "sk", "sv", "spos")
-
-
 def empty_window_buffers(B, W, S, k_r, fk):
-    """The window and sink buffers of a cache before any token: every position -1."""
+    """The window and sink buffers of a cache before any token: every position -1. Keys: the
+    last W tokens' rotated keys, values, feature-mapped keys and positions (k, v, fk, pos) and
+    the S sinks' keys, values and positions (sk, sv, spos)."""
     return {"k": k_r.new_zeros(B, W, *k_r.shape[2:]), "v": k_r.new_zeros(B, W, *k_r.shape[2:]),
             "fk": fk.new_zeros(B, W, *fk.shape[2:]), "pos": torch.full((B, W), -1, device=k_r.device),
             "sk": k_r.new_zeros(B, S, *k_r.shape[2:]), "sv": k_r.new_zeros(B, S, *k_r.shape[2:]),

@@ -95,7 +95,7 @@ class GLASwapCache(Cache):
     """Recurrent state per layer ([B, state heads, K, V] float32; the state heads are the KV
     heads unless state_heads="query"), the number of tokens seen and, for hybrid layers
     (config.window), a fixed-size buffer per layer: the last `window` tokens' keys and values
-    and the first `sinks` tokens' (gla_attention.WINDOW_BUFFERS).
+    and the first `sinks` tokens' (gla_attention.empty_window_buffers).
 
     Neither grows with the context: this is the whole cache. transformers'
     `Cache.get_seq_length()` raises when every layer is linear, so the count is kept here.
