@@ -46,7 +46,7 @@ def layer(s, options, device, dtype):
     return GLAAttention(cfg, 0).to(device=device, dtype=dtype)
 
 
-def time_layer(s, options, mode, device, dtype):
+def time_layer(s, options, mode, device, dtype, profile=False):
     from glaswap.models.modeling_glaswap import RotaryEmbedding
 
     attn = layer(s, options, device, dtype)
@@ -58,6 +58,15 @@ def time_layer(s, options, mode, device, dtype):
     def fwd_bwd():
         out, _ = attn(x, position_embeddings=(cos, sin))
         out.backward(do)
+    if profile:   # GPU time per op of a few forward+backward passes
+        from torch.profiler import ProfilerActivity, profile as torch_profile
+        for _ in range(3):
+            fwd_bwd()
+        with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(5):
+                fwd_bwd()
+            torch.cuda.synchronize()
+        print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=25))
     return bench_kernels.bench(fwd_bwd, quick=True)
 
 
@@ -67,6 +76,9 @@ def main(argv=None):
     ap.add_argument("--sinks", default="0,4", help="comma-separated sink counts")
     ap.add_argument("--mixes", default="shared,learned")
     ap.add_argument("--json", help="write the rows here")
+    ap.add_argument("--profile", action="store_true",
+                    help="print the GPU time per op of the pure GLA layer and of each hybrid variant (torch profiler)")
+    ap.add_argument("--shapes", default=None, help="comma-separated shape names to run (default: all)")
     ap.add_argument("--dry-run", action="store_true", help="CPU, the Triton interpreter, tiny shapes")
     args = ap.parse_args(argv)
     bench_kernels.DRY_RUN = args.dry_run
@@ -78,11 +90,14 @@ def main(argv=None):
                 for mix in args.mixes.split(",")]
     rows = []
     for s in shapes(args.dry_run):
-        gla = time_layer(s, {}, "gla", device, dtype)
+        if args.shapes and s["name"] not in args.shapes.split(","):
+            continue
+        gla = time_layer(s, {}, "gla", device, dtype, args.profile and device == "cuda")
         teacher = time_layer(s, {}, "softmax", device, dtype)
         print(f"{s['name']}: pure GLA {gla:.3f} ms, teacher softmax (SDPA) {teacher:.3f} ms")
         for w, sk, mix in variants:
-            ms = time_layer(s, {"window": w, "sinks": sk, "window_mix": mix}, "gla", device, dtype)
+            ms = time_layer(s, {"window": w, "sinks": sk, "window_mix": mix}, "gla", device, dtype,
+                            args.profile and device == "cuda")
             row = dict(shape=s["name"], window=w, sinks=sk, mix=mix, ms=ms, gla_ms=gla, teacher_ms=teacher,
                        hybrid_over_gla=ms / gla, teacher_over_hybrid=teacher / ms)
             rows.append(row)

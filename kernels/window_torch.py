@@ -104,3 +104,25 @@ def window_attention_torch(q, k, v, window, sinks=0, scale=None, cu_seqlens=None
     if cu_seqlens is None:                     # one document per batch row
         return torch.stack(outs).to(q.dtype), torch.stack(lses)
     return torch.cat(outs)[None].to(q.dtype), torch.cat(lses)[None]
+
+
+def window_mix_torch(o_win, lse, o_lin, logit, shared=True, eps=1e-6):
+    """One output from the window's (o_win normalised, lse) and the GLA state's
+    o_lin = [num, den] (chunk_gla with normalizer=True), in o_win's dtype:
+
+        shared:  (e^lse o_win + e^c num) / (e^lse + e^c den): the state's share of the output
+                 is sigmoid(c + log den - lse), one normaliser over both parts
+        learned: the state's share is sigmoid(c), a per-head mix of the two normalised parts
+
+    c = logit [H]; the share is 0 where den == 0 (nothing has entered the state yet). The
+    reference for window_mix_triton."""
+    num, den = o_lin[..., :-1].float(), o_lin[..., -1].float()
+    logit = logit.float()
+    if shared:
+        share = torch.sigmoid(logit + torch.log(den.clamp_min(1e-30)) - lse)
+    else:
+        share = torch.sigmoid(logit).expand_as(den)
+    share = torch.where(den > 0, share, torch.zeros_like(share))
+    o_state = num / (den + eps)[..., None]
+    o = o_win.float() + share[..., None] * (o_state - o_win.float())
+    return o.to(o_win.dtype)

@@ -211,6 +211,81 @@ def test_bad_inputs(backend):
             call(*args, **kwargs)
 
 
+# ----------------------------------------------------------------------------- the mix
+
+def mix_inputs(shape, H, D, dtype, device, padded, seed=0):
+    """o_win, lse, o_lin (den > 0 but for a few rows, and in padded rows as fused_chunk_gla
+    returns them when padded), logit, do."""
+    gen = torch.Generator().manual_seed(seed)
+    o_win = torch.randn(*shape, H, D, generator=gen)
+    lse = 3 * torch.randn(*shape, H, generator=gen)
+    num = torch.randn(*shape, H, D, generator=gen)
+    den = torch.rand(*shape, H, generator=gen) * 5 + 0.05
+    den.view(-1)[::7] = 0                                   # rows with nothing in the state yet
+    o_lin = torch.cat([num, den[..., None]], -1)
+    if padded:   # a row-padded view (stride D + 8 > D + 1), as the chunk kernels write it
+        o_lin = F.pad(o_lin, (0, 7))[..., :D + 1]
+    logit = torch.randn(H, generator=gen)
+    do = torch.randn(*shape, H, D, generator=gen)
+    to = lambda x, dt=dtype: x.to(device=device, dtype=dt)
+    return to(o_win), to(lse, torch.float32), to(o_lin), to(logit, torch.float32), to(do)
+
+
+def check_mix(shape, H, D, shared, dtype=torch.float32, padded=False, device=DEVICE, tol=None):
+    from glaswap_kernels.window_mix_triton import fused_window_mix
+    from glaswap_kernels.window_torch import window_mix_torch
+    o_win, lse, o_lin, logit, do = mix_inputs(shape, H, D, dtype, device, padded)
+    xs = [x.clone().requires_grad_() for x in (o_win, lse, o_lin, logit)]
+    rs = [x.detach().double().requires_grad_() for x in (o_win, lse, o_lin, logit)]
+    o = fused_window_mix(*xs, shared=shared)
+    o_r = window_mix_torch(*rs, shared=shared)
+    assert o.dtype == dtype and o.shape == o_win.shape
+    got = torch.autograd.grad(o, xs, do, allow_unused=True)
+    want = torch.autograd.grad(o_r, rs, do.double(), allow_unused=True)
+    errs = {"o": rel(o, o_r)}
+    for name, a, b in zip(("d_win", "d_lse", "d_lin", "d_logit"), got, want):
+        if b is None or not b.any():     # lse does not enter the learned mix
+            assert a is None or not a.any(), name
+            continue
+        errs[name] = rel(a, b)
+    tol = TOL[dtype] if tol is None else tol
+    bad = {n: e for n, e in errs.items() if not e <= tol}
+    assert not bad, f"errors above {tol}: {bad} (all: {errs})"
+    return errs
+
+
+@needs_kernels
+@pytest.mark.parametrize("shared", [True, False])
+@pytest.mark.parametrize("shape,H,D", [((1, 1), 2, 48), ((2, 37), 3, 64), ((1, 19), 2, 80)])
+def test_mix_kernel_matches_reference(shape, H, D, shared):
+    check_mix(shape, H, D, shared)
+
+
+@needs_kernels
+def test_mix_kernel_reads_padded_rows_and_bf16():
+    check_mix((2, 9), 4, 64, True, padded=True)
+    check_mix((2, 9), 4, 64, True, dtype=torch.bfloat16)
+
+
+def test_mix_reference_shared_form_is_one_normaliser():
+    """shared: (e^lse o_win + e^c num) / (e^lse + e^c den), written out."""
+    from glaswap_kernels.window_torch import window_mix_torch
+    o_win, lse, o_lin, logit, _ = mix_inputs((2, 5), 3, 8, torch.float64, "cpu", False)
+    num, den = o_lin[..., :-1], o_lin[..., -1]
+    c = logit.double()
+    want = (lse.exp()[..., None] * o_win + c.exp()[:, None] * num) / (lse.exp() + c.exp() * den)[..., None]
+    got = window_mix_torch(o_win, lse.double(), o_lin, logit.double(), shared=True, eps=1e-12)
+    live = den > 0
+    assert torch.allclose(got[live], want[live], rtol=1e-5, atol=1e-6)   # float32 maths
+    assert torch.equal(got[~live], o_win[~live])          # an empty state leaves the window alone
+
+
+def test_mix_bad_shapes():
+    o_win, lse, o_lin, logit, _ = mix_inputs((1, 4), 2, 8, torch.float32, "cpu", False)
+    with pytest.raises(ValueError, match="window_mix wants"):
+        gla_ops.window_mix(o_win, lse, o_lin[..., :-1], logit)
+
+
 # ----------------------------------------------------------------------------- GPU sizes
 
 gpu = pytest.mark.gpu
@@ -236,3 +311,10 @@ def test_gpu_bf16_varlen():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_gpu_other_dtypes(dtype):
     compare(B=1, T=2048, H=8, Hkv=2, D=80, window=100, sinks=4, dtype=dtype)
+
+
+@gpu
+@gpu_only
+@pytest.mark.parametrize("shared", [True, False])
+def test_gpu_mix_bf16(shared):
+    check_mix((8, 2048), 32, 64, shared, dtype=torch.bfloat16, padded=True)

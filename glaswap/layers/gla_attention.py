@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from glaswap_kernels.gla_ops import (HAS_TRITON, chunk_gla, feature_map, gate_logsigmoid, normalize, recurrent_gla,
-                                     window_attention, with_ones)
+                                     window_attention, window_mix, with_ones)
 from glaswap_kernels.gla_torch import apply_rope
 
 # The allowed gates and feature maps: configuration_glaswap.GLA_OPTIONS (and cli.py's choices).
@@ -369,18 +369,10 @@ class GLAAttention(nn.Module):
         return self._combine(o_win, lse, o_lin)
 
     def _combine(self, o_win, lse, o_lin):
-        """One output from the window's (o_win normalised, lse) and the state's (num, den)."""
-        num, den = o_lin[..., :-1].float(), o_lin[..., -1].float()
-        logit = self.window_mix()
-        if self.config.window_mix == "shared":
-            # (e^lse o_win + e^c num) / (e^lse + e^c den): the state's share is sigmoid(c + log den - lse)
-            share = torch.sigmoid(logit + torch.log(den.clamp_min(1e-30)) - lse)
-        else:
-            share = torch.sigmoid(logit).expand_as(den)
-        share = torch.where(den > 0, share, torch.zeros_like(share))   # nothing in the state yet
-        o_state = num / (den + self.config.normalizer_eps)[..., None]
-        o = o_win.float() + share[..., None] * (o_state - o_win.float())
-        return o.to(o_win.dtype)
+        """One output from the window's (o_win normalised, lse) and the state's (num, den):
+        window_torch.window_mix_torch says how; one Triton kernel each way on CUDA."""
+        return window_mix(o_win, lse, o_lin, self.window_mix(), shared=self.config.window_mix == "shared",
+                          eps=self.config.normalizer_eps, backend=self.config.gla_backend)
 
 
 def empty_window_buffers(B, W, S, k_r, fk):
@@ -395,17 +387,19 @@ def empty_window_buffers(B, W, S, k_r, fk):
 
 def _enter_state(x, W, S, cu_seqlens):
     """x [B, T, ...] moved W steps later within each document, zero where the source is before
-    the document's start or among its first S tokens (those stay in the window's sinks)."""
+    the document's start or among its first S tokens (those stay in the window's sinks).
+    A shift by padding, not a gather: its backward is a slice, not a scatter."""
     B, T = x.shape[:2]
+    if W >= T or (W + S >= T and cu_seqlens is None):   # nothing leaves a window in time
+        return torch.zeros_like(x)
+    pad = [0, 0] * (x.dim() - 2)
+    if cu_seqlens is None:   # one document per row: sources S .. T - W - 1 land at W + S ..
+        return F.pad(x[:, S:T - W], pad + [W + S, 0])
     t = torch.arange(T, device=x.device)
-    if cu_seqlens is None:
-        start = torch.zeros_like(t)
-    else:
-        cu = cu_seqlens.to(device=x.device, dtype=torch.long)
-        start = cu[torch.bucketize(t, cu[1:], right=True)]
-    src = t - W
-    ok = (src - start >= S).to(x.dtype).view(1, T, *([1] * (x.dim() - 2)))
-    return x[:, src.clamp(min=0)] * ok
+    cu = cu_seqlens.to(device=x.device, dtype=torch.long)
+    start = cu[torch.bucketize(t, cu[1:], right=True)]
+    ok = (t - W - start >= S).to(x.dtype).view(1, T, *([1] * (x.dim() - 2)))
+    return F.pad(x[:, :T - W], pad + [W, 0]) * ok
 
 
 def _window_over_buffer(q_r, K, V, P, buf, pos, W, scale, block=256):
