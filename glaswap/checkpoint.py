@@ -357,6 +357,7 @@ CODE_FILES = [
     ("glaswap_kernels/window_torch.py", "window_torch.py"),
     ("glaswap_kernels/window_triton.py", "window_triton.py"),
     ("glaswap_kernels/window_mix_triton.py", "window_mix_triton.py"),
+    ("glaswap_kernels/rope_triton.py", "rope_triton.py"),
     ("glaswap_kernels/gla_ops.py", "gla_ops.py"),
     ("glaswap/layers/gla_attention.py", "gla_attention.py"),
     ("glaswap/models/configuration_glaswap.py", "configuration_glaswap.py"),

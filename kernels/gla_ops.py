@@ -5,7 +5,7 @@ run glaswap's Triton kernels on CUDA when Triton imports, and the PyTorch forms 
 else. Both forms take and return the same shapes; see `gla_torch` for the contract.
 `window_attention` (exact softmax over a sliding window plus sinks) and `window_mix` (its
 combination with the GLA state's output) dispatch the same way; see `window_torch` for their
-contracts.
+contracts. So does `rope`, the teacher's rotation of q and k for the window part.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import os
 
 import torch
 
-from .gla_torch import chunk_gla_torch, feature_map_torch, recurrent_gla_torch
+from .gla_torch import apply_rope, chunk_gla_torch, feature_map_torch, recurrent_gla_torch
 from .window_torch import check_window_inputs, window_attention_torch, window_mix_torch
 
 try:  # Triton is optional: a saved model must load on machines without it.
@@ -22,12 +22,13 @@ try:  # Triton is optional: a saved model must load on machines without it.
     from .gate_triton import fused_gate
     from .gla_triton import fused_chunk_gla, fused_recurrent_gla
     from .normalizer_triton import fused_normalize
+    from .rope_triton import fused_rope
     from .window_mix_triton import fused_window_mix
     from .window_triton import fused_window_attention
     HAS_TRITON = True
 except Exception:  # ImportError, or a Triton too old for the kernels
     fused_chunk_gla = fused_recurrent_gla = fused_feature_map = fused_normalize = fused_gate = None
-    fused_window_attention = fused_window_mix = None
+    fused_window_attention = fused_window_mix = fused_rope = None
     HAS_TRITON = False
 
 BACKENDS = ("auto", "triton", "torch")
@@ -123,3 +124,11 @@ def window_mix(o_win, lse, o_lin, logit, shared=True, eps=1e-6, backend="auto"):
     if _use_triton(o_win, backend):
         return fused_window_mix(o_win, lse, o_lin, logit, shared, eps)
     return window_mix_torch(o_win, lse, o_lin, logit, shared, eps)
+
+
+def rope(x, cos, sin, backend="auto"):
+    """RoPE as the teacher applies it (gla_torch.apply_rope): x [B, T, heads, D], cos and sin
+    [B or 1, T, D]; one Triton kernel each way on CUDA."""
+    if _use_triton(x, backend):
+        return fused_rope(x, cos, sin)
+    return apply_rope(x, cos, sin)

@@ -286,6 +286,48 @@ def test_mix_bad_shapes():
         gla_ops.window_mix(o_win, lse, o_lin[..., :-1], logit)
 
 
+# ----------------------------------------------------------------------------- the rotation
+
+def check_rope(B, T, H, D, cos_batch, dtype=torch.float32, device=DEVICE, tol=None, seed=0):
+    """fused_rope against gla_torch.apply_rope in float64: y and dx, cos/sin of batch 1 or B."""
+    from glaswap_kernels.gla_torch import apply_rope
+    from glaswap_kernels.rope_triton import fused_rope
+    gen = torch.Generator().manual_seed(seed)
+    x, dy = (torch.randn(B, T, H, D, generator=gen) for _ in range(2))
+    ang = torch.randn(cos_batch, T, D // 2, generator=gen) * 3
+    ang = torch.cat([ang, ang], -1)                       # Llama's layout: both halves alike
+    cos, sin = ang.cos() * 1.1, ang.sin() * 1.1           # with an attention scaling
+    xs = x.to(device=device, dtype=dtype).requires_grad_()
+    y = fused_rope(xs, cos.to(device=device, dtype=dtype), sin.to(device=device, dtype=dtype))
+    (dx,) = torch.autograd.grad(y, xs, dy.to(device=device, dtype=dtype))
+    xr = x.double().requires_grad_()
+    yr = apply_rope(xr, cos.double(), sin.double())
+    (dxr,) = torch.autograd.grad(yr, xr, dy.double())
+    assert y.dtype == dtype and y.shape == x.shape
+    tol = TOL[dtype] if tol is None else tol
+    errs = {"y": rel(y, yr), "dx": rel(dx, dxr)}
+    assert all(e <= tol for e in errs.values()), errs
+
+
+@needs_kernels
+@pytest.mark.parametrize("B,T,H,D,cos_batch", [(1, 1, 3, 48, 1), (2, 37, 4, 64, 1), (2, 19, 2, 80, 2),
+                                               (1, 5, 9, 16, 1)])
+def test_rope_kernel_matches_reference(B, T, H, D, cos_batch):
+    check_rope(B, T, H, D, cos_batch)
+
+
+@needs_kernels
+def test_rope_kernel_bf16():
+    check_rope(2, 9, 4, 64, 1, dtype=torch.bfloat16)
+
+
+def test_rope_bad_shapes():
+    x = torch.randn(1, 4, 2, 8)
+    with pytest.raises(ValueError, match="rope wants"):
+        from glaswap_kernels.rope_triton import fused_rope
+        fused_rope(x, torch.ones(1, 4, 6), torch.ones(1, 4, 6))
+
+
 # ----------------------------------------------------------------------------- GPU sizes
 
 gpu = pytest.mark.gpu
@@ -318,3 +360,10 @@ def test_gpu_other_dtypes(dtype):
 @pytest.mark.parametrize("shared", [True, False])
 def test_gpu_mix_bf16(shared):
     check_mix((8, 2048), 32, 64, shared, dtype=torch.bfloat16, padded=True)
+
+
+@gpu
+@gpu_only
+def test_gpu_rope_bf16():
+    check_rope(8, 2048, 32, 64, 1, dtype=torch.bfloat16)
+    check_rope(1, 4096, 8, 128, 1, dtype=torch.bfloat16)

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from glaswap_kernels.gla_ops import (HAS_TRITON, chunk_gla, feature_map, gate_logsigmoid, normalize, recurrent_gla,
-                                     window_attention, window_mix, with_ones)
+                                     rope, window_attention, window_mix, with_ones)
 from glaswap_kernels.gla_torch import apply_rope
 
 # The allowed gates and feature maps: configuration_glaswap.GLA_OPTIONS (and cli.py's choices).
@@ -266,7 +266,7 @@ class GLAAttention(nn.Module):
         B, T = q.shape[:2]
         g = self._gate(x, k)
         if cfg.window:   # the exact part sees the teacher's own rotated q and k, per KV head
-            exact = (apply_rope(q, *position_embeddings), apply_rope(k, *position_embeddings), v)
+            exact = (rope(q, *position_embeddings, cfg.gla_backend), rope(k, *position_embeddings, cfg.gla_backend), v)
         k, v = self._per_state_head(k), self._per_state_head(v)
         cos, sin = position_embeddings if cfg.use_rope else (None, None)
         if cos is not None and cfg.rope_max_wavelength:
