@@ -7,7 +7,11 @@ Token i of a document attends with softmax(scale * q_i . k_j) to the keys j with
     or j < min(sinks, i + 1)     (the first `sinks` tokens of its document)
 
 each key counted once. Positions and sinks restart at every document start of a packed
-batch (`cu_seqlens`, B == 1). The op returns the normalised output o [B, T, H, D] in q's
+batch (`cu_seqlens`, B == 1). A sink that the window does not cover (j <= i - window) is
+scored as scale * q_sink_i . k_sink_j, with q_sink and k_sink defaulting to q and k: the
+hybrid layer passes its unrotated queries and sink keys rotated to a fixed distance, so a
+sink's score does not depend on how far back it lies (past a teacher's trained positions a
+true RoPE distance gives scores the teacher never produced). The op returns the normalised output o [B, T, H, D] in q's
 dtype and lse [B, T, H] float32 = log sum_j exp(scale * q_i . k_j) over the allowed keys:
 a caller that mixes the window with another attention part (the GLA state) re-weights o by
 exp(lse), so lse is an output with a gradient of its own.
@@ -25,10 +29,17 @@ import torch
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
-def check_window_inputs(q, k, v, window, sinks, scale, cu_seqlens):
+def check_window_inputs(q, k, v, window, sinks, scale, cu_seqlens, q_sink=None, k_sink=None):
     """Shapes, dtypes and arguments of window_attention; one-line ValueErrors. The values of
     cu_seqlens (host data) are checked where they are read: window_bounds, or the kernels'
     launch metadata."""
+    if (q_sink is None) != (k_sink is None):
+        raise ValueError("q_sink and k_sink go together: give both or neither")
+    for name, x, like in (("q_sink", q_sink, q), ("k_sink", k_sink, k)):
+        if x is not None and (not isinstance(x, torch.Tensor) or x.shape != like.shape or x.dtype != like.dtype
+                              or x.device != like.device):
+            raise ValueError(f"{name} must match {'q' if like is q else 'k'} in shape, dtype and device, got "
+                             f"{getattr(x, 'shape', type(x))}")
     for name, x in (("q", q), ("k", k), ("v", v)):
         if not isinstance(x, torch.Tensor) or x.ndim != 4:
             raise ValueError(f"{name} must be a 4-D tensor [B, T, heads, D], got "
@@ -74,17 +85,18 @@ def window_bounds(cu_seqlens, B, T):
     return [(0, a, b) for a, b in zip(cu, cu[1:])]
 
 
-def window_mask(n, window, sinks, device=None):
-    """[n, n] bool: query i (row) may attend key j (column) within one document."""
+def window_parts(n, window, sinks, device=None):
+    """([n, n] bool, [n, n] bool): the window part (i - window < j <= i) and the sink part
+    (j < sinks, j <= i - window) of query i (row) and key j (column) within one document."""
     i = torch.arange(n, device=device)[:, None]
     j = torch.arange(n, device=device)[None, :]
-    return (j <= i) & ((i - j < window) | (j < sinks))
+    return (j <= i) & (i - j < window), (j < sinks) & (j <= i - window)
 
 
-def window_attention_torch(q, k, v, window, sinks=0, scale=None, cu_seqlens=None):
-    """(o [B, T, H, D] in q's dtype, lse [B, T, H] float32); differentiable in q, k, v
-    through both outputs (autograd on float32 maths)."""
-    B, T, H, Hkv, D = check_window_inputs(q, k, v, window, sinks, scale, cu_seqlens)
+def window_attention_torch(q, k, v, window, sinks=0, scale=None, cu_seqlens=None, q_sink=None, k_sink=None):
+    """(o [B, T, H, D] in q's dtype, lse [B, T, H] float32); differentiable in q, k, v (and
+    q_sink, k_sink) through both outputs (autograd on float32 maths)."""
+    B, T, H, Hkv, D = check_window_inputs(q, k, v, window, sinks, scale, cu_seqlens, q_sink, k_sink)
     scale = D ** -0.5 if scale is None else float(scale)
     group = H // Hkv
     outs, lses = [], []
@@ -96,7 +108,12 @@ def window_attention_torch(q, k, v, window, sinks=0, scale=None, cu_seqlens=None
         kd = k[b, start:end].float().transpose(0, 1).repeat_interleave(group, 0)
         vd = v[b, start:end].float().transpose(0, 1).repeat_interleave(group, 0)
         s = scale * qd @ kd.transpose(1, 2)                                # [H, n, n]
-        s = s.masked_fill(~window_mask(n, window, sinks, q.device), float("-inf"))
+        in_window, sink = window_parts(n, window, sinks, q.device)
+        if q_sink is not None:
+            qs = q_sink[b, start:end].float().transpose(0, 1)
+            ks = k_sink[b, start:end].float().transpose(0, 1).repeat_interleave(group, 0)
+            s = torch.where(sink, scale * qs @ ks.transpose(1, 2), s)
+        s = s.masked_fill(~(in_window | sink), float("-inf"))
         lse_d = torch.logsumexp(s, dim=-1)                                 # [H, n]
         p = torch.exp(s - lse_d[..., None])
         outs.append((p @ vd).transpose(0, 1))                              # [n, H, D]

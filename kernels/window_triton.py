@@ -24,6 +24,10 @@ Backward, two kernels:
   the queries i in [j, j + W) of its keys, for every query head of its group (summing the
   group in registers, so dk and dv need no atomics), plus the sink buffer for the sink keys.
 
+Split sinks (SPLIT): the sink part is scored with its own queries and keys, q_sink and k_sink
+(window_torch's contract); dq then gets the window part, dq_sink the sink part, and the sink
+buffer's dk goes to k_sink's first S rows of each document instead of k's.
+
 GQA: the forward and dq programs take one query head each (H programs per block: more
 parallel programs at short T; the G heads of a group reread the same k/v tiles, which
 come from L2, not HBM); the dk/dv programs loop over the group's heads.
@@ -96,10 +100,11 @@ def _fwd_block(qb, k_ptr, v_ptr, bos, j0, n, KS, allowed, m, l, acc, scale2,
 
 
 @triton.jit
-def _window_fwd_kernel(q, k, v, o, lse, cu, indices, T, scale2, W, S,
+def _window_fwd_kernel(q, k, v, qs, ks, o, lse, cu, indices, T, scale2, W, S,
                        H: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, BD: tl.constexpr,
                        BM: tl.constexpr, BN: tl.constexpr, BS: tl.constexpr,
-                       HAS_SINKS: tl.constexpr, IS_VARLEN: tl.constexpr, PREC: tl.constexpr):
+                       HAS_SINKS: tl.constexpr, SPLIT: tl.constexpr, IS_VARLEN: tl.constexpr,
+                       PREC: tl.constexpr):
     pid, h = tl.program_id(0), tl.program_id(1)
     i_n, t0, bos, n = _doc(pid, cu, indices, T, BM, IS_VARLEN)
     hk = h // (H // HKV)
@@ -112,10 +117,16 @@ def _window_fwd_kernel(q, k, v, o, lse, cu, indices, T, scale2, W, S,
     l = tl.zeros([BM], tl.float32)
     acc = tl.zeros([BM, BD], tl.float32)
     if HAS_SINKS:
+        if SPLIT:
+            qsb = _load_rows(qs + h * D, bos + t0, n - t0, QS, 0, D, BM, BD)
+            ks_ptr = ks + hk * D
+        else:
+            qsb = qb
+            ks_ptr = k_ptr
         for j0 in range(0, tl.minimum(S, t0 + BM - W), BS):
             cols = (j0 + tl.arange(0, BS))[None, :]
             allowed = (cols < S) & (cols <= rows - W)
-            m, l, acc = _fwd_block(qb, k_ptr, v_ptr, bos, j0, n, KS, allowed, m, l, acc,
+            m, l, acc = _fwd_block(qsb, ks_ptr, v_ptr, bos, j0, n, KS, allowed, m, l, acc,
                                    scale2, D, BD, BS, PREC)
     for j0 in range(tl.maximum(t0 - W + 1, 0), tl.minimum(t0 + BM, n), BN):
         cols = (j0 + tl.arange(0, BN))[None, :]
@@ -139,11 +150,11 @@ def _bwd_scores(qb, dob, kb, vb, lse2, delta, allowed, scale2, PREC: tl.constexp
 
 
 @triton.jit
-def _window_bwd_dq_kernel(q, k, v, o, do, lse, dlse, delta, dq, dks, dvs, cu, indices, T,
+def _window_bwd_dq_kernel(q, k, v, qs, ks, o, do, lse, dlse, delta, dq, dqs, dks, dvs, cu, indices, T,
                           scale2, scale, W, S,
                           H: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, BD: tl.constexpr,
                           BM: tl.constexpr, BN: tl.constexpr, BS: tl.constexpr,
-                          HAS_SINKS: tl.constexpr, HAS_DLSE: tl.constexpr,
+                          HAS_SINKS: tl.constexpr, SPLIT: tl.constexpr, HAS_DLSE: tl.constexpr,
                           IS_VARLEN: tl.constexpr, PREC: tl.constexpr):
     pid, h = tl.program_id(0), tl.program_id(1)
     i_n, t0, bos, n = _doc(pid, cu, indices, T, BM, IS_VARLEN)
@@ -164,22 +175,33 @@ def _window_bwd_dq_kernel(q, k, v, o, do, lse, dlse, delta, dq, dks, dvs, cu, in
     valid = rows < n
     dqa = tl.zeros([BM, BD], tl.float32)
     if HAS_SINKS:
+        if SPLIT:
+            qsb = _load_rows(qs + h * D, bos + t0, n - t0, QS, 0, D, BM, BD)
+            ks_ptr = ks + hk * D
+        else:
+            qsb = qb
+            ks_ptr = k_ptr
+        dqsa = tl.zeros([BM, BD], tl.float32)
         dcols = tl.arange(0, BD)[None, :]
         for j0 in range(0, tl.minimum(S, t0 + BM - W), BS):
             c = j0 + tl.arange(0, BS)
             cols = c[None, :]
-            kb = _load_rows(k_ptr, bos + j0, n - j0, KS, 0, D, BS, BD)
+            kb = _load_rows(ks_ptr, bos + j0, n - j0, KS, 0, D, BS, BD)
             vb = _load_rows(v_ptr, bos + j0, n - j0, KS, 0, D, BS, BD)
-            p, ds = _bwd_scores(qb, dob, kb, vb, lse2, dl, valid & (cols < S) & (cols <= rows - W),
+            p, ds = _bwd_scores(qsb, dob, kb, vb, lse2, dl, valid & (cols < S) & (cols <= rows - W),
                                 scale2, PREC)
-            dqa += tl.dot(ds.to(kb.dtype), kb, input_precision=PREC)
+            dqsa += tl.dot(ds.to(kb.dtype), kb, input_precision=PREC)
             # this block's share of the sink keys' dk and dv (see the header)
             dv_part = tl.dot(tl.trans(p.to(dob.dtype)), dob, input_precision=PREC)
-            dk_part = tl.dot(tl.trans(ds.to(qb.dtype)), qb, input_precision=PREC) * scale
+            dk_part = tl.dot(tl.trans(ds.to(qsb.dtype)), qsb, input_precision=PREC) * scale
             offs = ((i_n * HKV + hk) * S + c)[:, None] * D + dcols
             msk = (c < S)[:, None] & (dcols < D)
             tl.atomic_add(dvs + offs, dv_part, mask=msk)
             tl.atomic_add(dks + offs, dk_part, mask=msk)
+        if SPLIT:
+            _store_rows(dqs + h * D, dqsa * scale, bos + t0, n - t0, QS, 0, D, BM, BD)
+        else:
+            dqa += dqsa
     for j0 in range(tl.maximum(t0 - W + 1, 0), tl.minimum(t0 + BM, n), BN):
         cols = (j0 + tl.arange(0, BN))[None, :]
         kb = _load_rows(k_ptr, bos + j0, n - j0, KS, 0, D, BN, BD)
@@ -195,7 +217,8 @@ def _window_bwd_dkv_kernel(q, k, v, do, lse, delta, dk, dv, dks, dvs, cu, indice
                            scale2, scale, W, S,
                            H: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, BD: tl.constexpr,
                            BM: tl.constexpr, BN: tl.constexpr,
-                           HAS_SINKS: tl.constexpr, IS_VARLEN: tl.constexpr, PREC: tl.constexpr):
+                           HAS_SINKS: tl.constexpr, SPLIT: tl.constexpr, IS_VARLEN: tl.constexpr,
+                           PREC: tl.constexpr):
     pid, hk = tl.program_id(0), tl.program_id(1)
     i_n, s0, bos, n = _doc(pid, cu, indices, T, BN, IS_VARLEN)
     G: tl.constexpr = H // HKV
@@ -228,7 +251,8 @@ def _window_bwd_dkv_kernel(q, k, v, do, lse, delta, dk, dv, dks, dvs, cu, indice
             dcols = tl.arange(0, BD)[None, :]
             offs = ((i_n * HKV + hk) * S + c)[:, None] * D + dcols
             msk = (c < S)[:, None] & (c < n)[:, None] & (dcols < D)
-            dka += tl.load(dks + offs, mask=msk, other=0.0)
+            if not SPLIT:              # split: the sink keys' dk belongs to k_sink
+                dka += tl.load(dks + offs, mask=msk, other=0.0)
             dva += tl.load(dvs + offs, mask=msk, other=0.0)
     _store_rows(dk + hk * D, dka, bos + s0, n - s0, KS, 0, D, BN, BD)
     _store_rows(dv + hk * D, dva, bos + s0, n - s0, KS, 0, D, BN, BD)
@@ -272,27 +296,29 @@ def _blocks(cu_seqlens, B, T, BT, device):
 
 class _WindowAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, window, sinks, scale, cu_seqlens, plan):
+    def forward(ctx, q, k, v, window, sinks, scale, cu_seqlens, plan, q_sink, k_sink):
         B, T, H, D = q.shape
         Hkv = k.shape[2]
         q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+        split = q_sink is not None and sinks > 0
+        qs, ks = (q_sink.contiguous(), k_sink.contiguous()) if split else (q, k)
         o = _new((B, T, H, D), q.dtype, q.device)
         lse = _new((B, T, H), torch.float32, q.device)
         cu, idx, total = _blocks(cu_seqlens, B, T, plan.BM, q.device)
         _window_fwd_kernel[(total, H)](
-            q, k, v, o, lse, cu, idx, T, scale * LOG2E, window, sinks,
+            q, k, v, qs, ks, o, lse, cu, idx, T, scale * LOG2E, window, sinks,
             H=H, HKV=Hkv, D=D, BD=plan.BD, BM=plan.BM, BN=plan.BN, BS=plan.BS,
-            HAS_SINKS=sinks > 0, IS_VARLEN=cu is not None, PREC=plan.prec,
+            HAS_SINKS=sinks > 0, SPLIT=split, IS_VARLEN=cu is not None, PREC=plan.prec,
             num_warps=plan.warps, num_stages=plan.stages)
-        ctx.save_for_backward(q, k, v, o, lse)
-        ctx.args = (window, sinks, scale, cu_seqlens, plan)
+        ctx.save_for_backward(q, k, v, qs, ks, o, lse)
+        ctx.args = (window, sinks, scale, cu_seqlens, plan, split, q_sink is not None)
         ctx.set_materialize_grads(False)
         return o, lse
 
     @staticmethod
     def backward(ctx, do, dlse):
-        q, k, v, o, lse = ctx.saved_tensors
-        window, sinks, scale, cu_seqlens, plan = ctx.args
+        q, k, v, qs, ks, o, lse = ctx.saved_tensors
+        window, sinks, scale, cu_seqlens, plan, split, given = ctx.args
         B, T, H, D = q.shape
         Hkv = k.shape[2]
         do = torch.zeros_like(o) if do is None else do.contiguous()
@@ -300,31 +326,55 @@ class _WindowAttention(torch.autograd.Function):
         dq = _new(q.shape, q.dtype, q.device)
         dk = _new(k.shape, k.dtype, k.device)
         dv = _new(v.shape, v.dtype, v.device)
+        dqs = _new(q.shape, q.dtype, q.device) if split else dq
         delta = _new((B, T, H), torch.float32, q.device)
         n_docs = B if cu_seqlens is None else cu_seqlens.numel() - 1
         # the sink keys' dk and dv from the sink part (accumulated by atomics: zeros)
         dks = torch.zeros((n_docs, Hkv, max(sinks, 1), D), dtype=torch.float32, device=q.device)
         dvs = torch.zeros_like(dks)
         common = dict(H=H, HKV=Hkv, D=D, BD=plan.BD, BM=plan.BM, BN=plan.BN,
-                      HAS_SINKS=sinks > 0, IS_VARLEN=cu_seqlens is not None, PREC=plan.prec,
+                      HAS_SINKS=sinks > 0, SPLIT=split, IS_VARLEN=cu_seqlens is not None, PREC=plan.prec,
                       num_warps=plan.warps, num_stages=plan.stages)
         cu, idx, total = _blocks(cu_seqlens, B, T, plan.BM, q.device)
         _window_bwd_dq_kernel[(total, H)](
-            q, k, v, o, do, lse, dlse, delta, dq, dks, dvs, cu, idx, T, scale * LOG2E, scale,
+            q, k, v, qs, ks, o, do, lse, dlse, delta, dq, dqs, dks, dvs, cu, idx, T, scale * LOG2E, scale,
             window, sinks, BS=plan.BS, HAS_DLSE=dlse is not None, **common)
         cu, idx, total = _blocks(cu_seqlens, B, T, plan.BN, q.device)
         _window_bwd_dkv_kernel[(total, Hkv)](
             q, k, v, do, lse, delta, dk, dv, dks, dvs, cu, idx, T, scale * LOG2E, scale,
             window, sinks, **common)
-        return dq, dk, dv, None, None, None, None, None
+        if not given:
+            return dq, dk, dv, None, None, None, None, None, None, None
+        if not split:   # no sink part (sinks = 0): q_sink and k_sink take no gradient
+            return dq, dk, dv, None, None, None, None, None, torch.zeros_like(q), torch.zeros_like(k)
+        return dq, dk, dv, None, None, None, None, None, dqs, _sink_rows(dks, cu_seqlens, B, T, sinks, k.dtype)
 
 
-def fused_window_attention(q, k, v, window, sinks=0, scale=None, cu_seqlens=None,
+def _sink_rows(dks, cu_seqlens, B, T, S, dtype):
+    """The sink buffer [documents, Hkv, S, D] (float32) as a gradient of k_sink [B, T, Hkv, D]:
+    each document's first S rows (fewer in a shorter document), zero elsewhere."""
+    N, Hkv, _, D = dks.shape
+    j = torch.arange(S, device=dks.device)
+    if cu_seqlens is None:
+        start = torch.arange(N, device=dks.device) * T
+        ok = (j < T).expand(N, S)
+    else:
+        cu = cu_seqlens.to(device=dks.device, dtype=torch.long)
+        start = cu[:-1]
+        ok = j[None, :] < (cu[1:] - cu[:-1])[:, None]
+    rows = torch.where(ok, start[:, None] + j, B * T)              # row B * T: a discard row
+    out = torch.zeros(B * T + 1, Hkv, D, dtype=torch.float32, device=dks.device)
+    out.index_copy_(0, rows.reshape(-1), dks.transpose(1, 2).reshape(N * S, Hkv, D))
+    return out[:B * T].view(B, T, Hkv, D).to(dtype)
+
+
+def fused_window_attention(q, k, v, window, sinks=0, scale=None, cu_seqlens=None, q_sink=None, k_sink=None,
                            _overrides=None):
     """Sliding-window + sink softmax attention on the Triton kernels: (o [B, T, H, D] in q's
     dtype, lse [B, T, H] float32), differentiable through both (see window_torch for the
-    contract). _overrides: launch options of _Plan (tests and tuning runs)."""
-    B, T, H, Hkv, D = check_window_inputs(q, k, v, window, sinks, scale, cu_seqlens)
+    contract; q_sink and k_sink score the sink part). _overrides: launch options of _Plan
+    (tests and tuning runs)."""
+    B, T, H, Hkv, D = check_window_inputs(q, k, v, window, sinks, scale, cu_seqlens, q_sink, k_sink)
     if not (q.is_cuda or _interpreting()):
         raise ValueError(f"the Triton window kernels need CUDA tensors (or TRITON_INTERPRET=1), "
                          f"got {q.device}")
@@ -332,4 +382,4 @@ def fused_window_attention(q, k, v, window, sinks=0, scale=None, cu_seqlens=None
     # a window or sink count past the sequence changes nothing; clamping keeps them int32
     window, sinks = min(window, T), min(sinks, T)
     plan = _Plan(T, D, sinks, q.dtype, _overrides)
-    return _WindowAttention.apply(q, k, v, window, sinks, scale, cu_seqlens, plan)
+    return _WindowAttention.apply(q, k, v, window, sinks, scale, cu_seqlens, plan, q_sink, k_sink)

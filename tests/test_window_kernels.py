@@ -40,8 +40,9 @@ def make_inputs(B, T, H, Hkv, D, dtype=torch.float32, device="cpu", seed=0):
     return [x.to(device=device, dtype=dtype) for x in (q, k, v, do)] + [dlse.to(device)]
 
 
-def direct(q, k, v, window, sinks, scale, seqs):
-    """Token by token: the allowed keys of each query listed explicitly, float64."""
+def direct(q, k, v, window, sinks, scale, seqs, q_sink=None, k_sink=None):
+    """Token by token: the allowed keys of each query listed explicitly, float64; a sink
+    outside the window is scored with q_sink and k_sink when given."""
     B, T, H, D = q.shape
     group = H // k.shape[2]
     o = torch.zeros(B, T, H, D, dtype=torch.float64)
@@ -55,6 +56,11 @@ def direct(q, k, v, window, sinks, scale, seqs):
                 kk = k[b, [start + j for j in keys], h // group].double()
                 vv = v[b, [start + j for j in keys], h // group].double()
                 s = scale * kk @ q[b, start + i, h].double()
+                if q_sink is not None:
+                    for n_key, j in enumerate(keys):
+                        if j <= i - window:          # a sink the window does not cover
+                            s[n_key] = scale * k_sink[b, start + j, h // group].double() @ \
+                                q_sink[b, start + i, h].double()
                 lse[b, start + i, h] = torch.logsumexp(s, 0)
                 o[b, start + i, h] = torch.softmax(s, 0) @ vv
     return o, lse
@@ -62,15 +68,19 @@ def direct(q, k, v, window, sinks, scale, seqs):
 
 # ----------------------------------------------------------------------------- the reference
 
+@pytest.mark.parametrize("split", [False, True])
 @pytest.mark.parametrize("T,window,sinks,seqs", [(13, 4, 0, None), (13, 4, 3, None), (9, 1, 2, None),
                                                  (17, 3, 2, [5, 1, 11]), (6, 10, 8, None)])
-def test_reference_matches_direct_softmax(T, window, sinks, seqs):
+def test_reference_matches_direct_softmax(T, window, sinks, seqs, split):
     B = 1 if seqs else 2
     q, k, v, *_ = make_inputs(B, T, 4, 2, 8)
+    sink = make_inputs(B, T, 4, 2, 8, seed=5)[:2] if split else (None, None)
     cu = _cu(seqs) if seqs else None
-    o, lse = window_attention_torch(q, k, v, window, sinks, scale=0.7, cu_seqlens=cu)
-    o_d, lse_d = direct(q, k, v, window, sinks, 0.7, seqs)
+    o, lse = window_attention_torch(q, k, v, window, sinks, scale=0.7, cu_seqlens=cu, q_sink=sink[0], k_sink=sink[1])
+    o_d, lse_d = direct(q, k, v, window, sinks, 0.7, seqs, *sink)
     assert rel(o, o_d) < 1e-6 and rel(lse, lse_d) < 1e-6
+    if split and sinks and window < T:       # the sink part's scores come from q_sink, k_sink
+        assert rel(o, window_attention_torch(q, k, v, window, sinks, scale=0.7, cu_seqlens=cu)[0]) > 1e-3
 
 
 @pytest.mark.parametrize("window", [24, 100])
@@ -96,14 +106,17 @@ def test_reference_window_one_is_the_value_itself():
 # ----------------------------------------------------------------------------- the kernels
 
 def compare(B, T, H, Hkv, D, window, sinks, seqs=None, dtype=torch.float32, tiles=None,
-            grads=("o", "lse"), tol=None, scale=None, device=DEVICE):
-    """Kernels vs the float32 reference on the same (rounded) inputs; returns the errors."""
+            grads=("o", "lse"), tol=None, scale=None, device=DEVICE, split=False):
+    """Kernels vs the float32 reference on the same (rounded) inputs; returns the errors.
+    split: the sink part scored with its own q_sink and k_sink (their gradients checked too)."""
     q, k, v, do, dlse = make_inputs(B, T, H, Hkv, D, dtype, device)
+    ins = (q, k, v) + (tuple(make_inputs(B, T, H, Hkv, D, dtype, device, seed=5)[:2]) if split else ())
     cu = _cu(seqs, device) if seqs else None
-    xs = [x.clone().requires_grad_() for x in (q, k, v)]
-    rs = [x.float().requires_grad_() for x in (q, k, v)]
-    o, lse = fused_window_attention(*xs, window, sinks, scale=scale, cu_seqlens=cu, _overrides=tiles)
-    o_r, lse_r = window_attention_torch(*rs, window, sinks, scale=scale, cu_seqlens=cu)
+    xs = [x.clone().requires_grad_() for x in ins]
+    rs = [x.float().requires_grad_() for x in ins]
+    sk = lambda t: dict(q_sink=t[3], k_sink=t[4]) if split else {}  # noqa: E731
+    o, lse = fused_window_attention(*xs[:3], window, sinks, scale=scale, cu_seqlens=cu, _overrides=tiles, **sk(xs))
+    o_r, lse_r = window_attention_torch(*rs[:3], window, sinks, scale=scale, cu_seqlens=cu, **sk(rs))
     assert o.dtype == dtype and lse.dtype == torch.float32
     assert o.shape == (B, T, H, D) and lse.shape == (B, T, H)
     errs = {"o": rel(o, o_r), "lse": rel(lse, lse_r)}
@@ -114,7 +127,7 @@ def compare(B, T, H, Hkv, D, window, sinks, seqs=None, dtype=torch.float32, tile
     got = torch.autograd.grad([x for x, _ in outs], xs, [g for _, g in outs])
     # lse alone does not depend on v: its reference gradient is None, the kernels' zeros
     want = torch.autograd.grad([x for x, _ in refs], rs, [g for _, g in refs], allow_unused=True)
-    for name, a, b in zip(("dq", "dk", "dv"), got, want):
+    for name, a, b in zip(("dq", "dk", "dv", "dq_sink", "dk_sink"), got, want):
         assert a.dtype == dtype
         if b is None:
             assert not a.any(), name
@@ -139,6 +152,21 @@ def test_lengths(T):
 def test_windows_and_sinks(window, sinks):
     # window 64 > T = 37: everything before the query is in the window (sinks change nothing)
     compare(B=1, T=37, H=2, Hkv=1, D=32, window=window, sinks=sinks)
+
+
+@needs_kernels
+@pytest.mark.parametrize("T,seqs,tiles", [(1, None, None), (37, None, None), (130, None, None),
+                                          (60, [5, 1, 37, 6, 1, 10], dict(BM=16, BN=16))])
+def test_split_sinks(T, seqs, tiles):
+    # the sink part from q_sink and k_sink: dq and dk take the window part only, dq_sink all
+    # of the sink part, dk_sink each document's first S rows and zero elsewhere
+    compare(B=1 if seqs else 2, T=T, H=4, Hkv=2, D=32, window=6, sinks=4, seqs=seqs, tiles=tiles, split=True)
+
+
+@needs_kernels
+def test_split_sinks_bf16_and_gqa_tiles():
+    compare(B=1, T=60, H=4, Hkv=2, D=16, window=5, sinks=20, tiles=dict(BM=16, BN=16, BS=16), split=True)
+    compare(B=2, T=130, H=4, Hkv=2, D=80, window=64, sinks=4, dtype=torch.bfloat16, split=True)
 
 
 @needs_kernels
@@ -205,7 +233,9 @@ def test_bad_inputs(backend):
              ((q.repeat(2, 1, 1, 1), k.repeat(2, 1, 1, 1), v.repeat(2, 1, 1, 1), 4),
               {"cu_seqlens": _cu([8], DEVICE)}, "B == 1"),
              ((q, k, v, 4), {"cu_seqlens": _cu([8], DEVICE).float()}, "cu_seqlens"),
-             ((q, k, v, 4), {"cu_seqlens": _cu([3, 4], DEVICE)}, "cu_seqlens")]
+             ((q, k, v, 4), {"cu_seqlens": _cu([3, 4], DEVICE)}, "cu_seqlens"),
+             ((q, k, v, 4, 2), {"q_sink": q}, "together"),
+             ((q, k, v, 4, 2), {"q_sink": q, "k_sink": k[:, :4]}, "k_sink must match")]
     for args, kwargs, match in cases:
         with pytest.raises(ValueError, match=match):
             call(*args, **kwargs)
@@ -305,7 +335,7 @@ def check_rope(B, T, H, D, cos_batch, dtype=torch.float32, device=DEVICE, tol=No
     (dxr,) = torch.autograd.grad(yr, xr, dy.double())
     assert y.dtype == dtype and y.shape == x.shape
     tol = TOL[dtype] if tol is None else tol
-    errs = {"y": rel(y, yr), "dx": rel(dx, dxr)}
+    errs = {"y": rel(y.cpu(), yr), "dx": rel(dx.cpu(), dxr)}
     assert all(e <= tol for e in errs.values()), errs
 
 
@@ -339,13 +369,14 @@ gpu = pytest.mark.gpu
 @pytest.mark.parametrize("window", [64, 128])
 def test_gpu_bf16(D, window):
     compare(B=2, T=2048, H=16, Hkv=4, D=D, window=window, sinks=4, dtype=torch.bfloat16)
+    compare(B=2, T=2048, H=16, Hkv=4, D=D, window=window, sinks=4, dtype=torch.bfloat16, split=True)
 
 
 @gpu
 @gpu_only
 def test_gpu_bf16_varlen():
     compare(B=1, T=8192, H=16, Hkv=4, D=64, window=64, sinks=4, dtype=torch.bfloat16,
-            seqs=[4096, 1000, 31, 1, 3000, 64])
+            seqs=[4096, 1000, 31, 1, 3000, 64], split=True)
 
 
 @gpu

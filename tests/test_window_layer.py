@@ -31,10 +31,12 @@ def hybrid_student(options, arch="llama", layers=1, seed=0):
     return teacher, student.eval()
 
 
-def reference_attention(attn, x, cos, sin):
+def reference_attention(attn, x, cos, sin, cos_w, sin_w):
     """The hybrid layer's output written out from its definition, one query at a time:
-    exact exp-scores over the window and the sinks, phi(q_i) diag(decays) phi(k_j) over the
-    keys that have entered the state (j >= S, j <= i - W; decays from step j + W + 1 to i)."""
+    exact exp-scores over the window and the sinks (a sink outside the window scored as if it
+    stood W tokens back: the teacher's RoPE at positions i and i - W, cos_w and sin_w being
+    its rotation at position W), phi(q_i) diag(decays) phi(k_j) over the keys that have
+    entered the state (j >= S, j <= i - W; decays from step j + W + 1 to i)."""
     cfg = attn.config
     W, S = cfg.window, cfg.sinks
     B, T, _ = x.shape
@@ -53,7 +55,13 @@ def reference_attention(attn, x, cos, sin):
             kv = h // R
             for i in range(T):
                 win = [j for j in range(i + 1) if j > i - W or j < S]
-                e = torch.stack([torch.exp(qr[b, i, h] @ kr[b, j, kv] * attn.head_dim ** -0.5) for j in win])
+                # a sink outside the window: q rotated to position i, k to position i - W
+                cb = min(b, cos.shape[0] - 1)                          # cos, sin: [B or 1, T, D]
+                q_at = apply_rope(q[b, i, h][None, None, None].float(), cos[cb:cb + 1, i:i + 1], sin[cb:cb + 1, i:i + 1])
+                k_at = [apply_rope(k[b, j, kv][None, None, None].float(), *_back(cos, sin, cb, i, cos_w, sin_w))
+                        for j in win]
+                e = torch.stack([torch.exp((qr[b, i, h] @ kr[b, j, kv] if j > i - W else (q_at * k_at[n]).sum())
+                                           * attn.head_dim ** -0.5) for n, j in enumerate(win)])
                 o_win = (e[:, None] * v[b, win, kv].float()).sum(0) / e.sum()
                 lin = [j for j in range(S, i - W + 1)]
                 if not lin:
@@ -71,6 +79,12 @@ def reference_attention(attn, x, cos, sin):
     return attn.o_proj(out.reshape(B, T, -1))
 
 
+def _back(cos, sin, b, i, cos_w, sin_w):
+    """cos, sin of position i - W from those of i and of W: cos(a - b), sin(a - b)."""
+    c, s = cos[b:b + 1, i:i + 1], sin[b:b + 1, i:i + 1]
+    return c * cos_w + s * sin_w, s * cos_w - c * sin_w
+
+
 @pytest.mark.parametrize("options", [
     {"window": 3, "sinks": 2},
     {"window": 4, "sinks": 0, "window_mix": "learned"},
@@ -84,9 +98,10 @@ def test_layer_matches_its_definition(options):
     x = torch.randn(2, 11, student.config.hidden_size, generator=gen)
     pos = torch.arange(11)[None]
     cos, sin = student.model.rotary_emb(x, pos)
+    cos_w, sin_w = student.model.rotary_emb(x, torch.tensor([[attn.config.window]]))
     with torch.no_grad():
         got, _ = attn(x, position_embeddings=(cos, sin))
-        want = reference_attention(attn, x, cos, sin)
+        want = reference_attention(attn, x, cos, sin, cos_w, sin_w)
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
 
 
@@ -203,3 +218,28 @@ def test_distill_trains_a_hybrid_and_its_adapter_carries_the_mix(tmp_path):
         peft_model = PeftModel.from_pretrained(
             GLASwapForCausalLM.from_pretrained(base["path"], dtype=torch.float32), str(adapter)).eval()
         torch.testing.assert_close(peft_model(ids).logits, want, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("mix", ["shared", "learned"])
+def test_exact_part_does_not_depend_on_absolute_position(mix):
+    """The last query of two documents with the same sinks and the same last W tokens, one
+    short and one long: its exact part (window op output and lse) is the same, since a sink
+    outside the window is scored at distance W whatever its true distance (with the true
+    distance, past a teacher's trained positions, it scores as the teacher never did)."""
+    from glaswap_kernels.gla_ops import window_attention
+    _, student = hybrid_student({"window": 4, "sinks": 2, "window_mix": mix})
+    attn = student.model.layers[0].self_attn
+    gen = torch.Generator().manual_seed(5)
+    hidden = student.config.hidden_size
+    sinks, last = torch.randn(2, hidden, generator=gen), torch.randn(4, hidden, generator=gen)
+    results = []
+    for filler in (3, 300):
+        x = torch.cat([sinks, torch.randn(filler, hidden, generator=gen), last])[None]
+        cos, sin = student.model.rotary_emb(x, torch.arange(x.shape[1])[None])
+        with torch.no_grad():
+            q, k, v = attn._project(x)
+            q_r, k_r, v_r, q_s, k_s = attn._exact_inputs(q, k, v, (cos, sin))
+            o, lse = window_attention(q_r, k_r, v_r, 4, 2, scale=attn.head_dim ** -0.5, q_sink=q_s, k_sink=k_s)
+        results.append((o[0, -1], lse[0, -1]))
+    torch.testing.assert_close(results[0][0], results[1][0], rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(results[0][1], results[1][1], rtol=1e-4, atol=1e-5)

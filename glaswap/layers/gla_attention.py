@@ -155,6 +155,7 @@ class GLAAttention(nn.Module):
         elif config.gate == "scalar":
             self.gate_proj = nn.Linear(self.hidden_size, self.num_state_heads, bias=True)
         self._rope_keep = None   # rope_kept_dims as cos's dtype and device, made on first use
+        self._sink_turn = None   # (cos, sin) of sink_rotation, made on first use
         if config.window:
             self.window_mix = WindowMix(self.num_heads)
         self.q_map = FeatureMap(config.feature_map, self.num_heads, self.head_dim)
@@ -265,8 +266,8 @@ class GLAAttention(nn.Module):
         cfg = self.config
         B, T = q.shape[:2]
         g = self._gate(x, k)
-        if cfg.window:   # the exact part sees the teacher's own rotated q and k, per KV head
-            exact = (rope(q, *position_embeddings, cfg.gla_backend), rope(k, *position_embeddings, cfg.gla_backend), v)
+        if cfg.window:
+            exact = self._exact_inputs(q, k, v, position_embeddings)
         k, v = self._per_state_head(k), self._per_state_head(v)
         cos, sin = position_embeddings if cfg.use_rope else (None, None)
         if cos is not None and cfg.rope_max_wavelength:
@@ -318,30 +319,52 @@ class GLAAttention(nn.Module):
     # Token i sees keys j > i - W (its window) and j < S (its document's sinks) exactly; every
     # other earlier key j enters the GLA state at step j + W, once it has left the window, and
     # decays from there on. So the two parts never count a key twice, and a document no longer
-    # than the window gets exactly the teacher's attention.
+    # than the window gets exactly the teacher's attention. A sink outside the window is
+    # scored as if it stood W tokens back, where it was when it left the window: with its
+    # true distance the score would depend on absolute position, and past the teacher's
+    # trained positions it takes values the teacher never produced (measured: the one-pass
+    # loss then climbs from 8K tokens on).
+
+    def _exact_inputs(self, q, k, v, position_embeddings):
+        """(q_r, k_r, v, q_sink, k_sink): the teacher's rotated q and k for the window; for the
+        sinks (None without any) the unrotated q and k turned back by W steps, since
+        rope_i(q) . rope_(i-W)(k) = q . rope_(-W)(k)."""
+        cfg = self.config
+        cos, sin = position_embeddings
+        q_r, k_r = rope(q, cos, sin, cfg.gla_backend), rope(k, cos, sin, cfg.gla_backend)
+        if not cfg.sinks:
+            return q_r, k_r, v, None, None
+        turn = self._sink_turn
+        if turn is None or turn[0].device != cos.device or turn[0].dtype != cos.dtype:
+            turn = self._sink_turn = tuple(t.to(device=cos.device, dtype=cos.dtype) for t in sink_rotation(cfg))
+        T = k.shape[1]
+        k_s = rope(k, turn[0].expand(1, T, -1), turn[1].expand(1, T, -1), cfg.gla_backend)
+        return q_r, k_r, v, q, k_s
 
     def _hybrid(self, q, k, v, g, exact, scale, cu_seqlens):
         """Whole sequences (training, scoring): [B, T, H, D] from the window op and chunk_gla."""
         cfg = self.config
         B, T = q.shape[:2]
-        q_r, k_r, v_r = exact
+        q_r, k_r, v_r, q_s, k_s = exact
         if cu_seqlens is not None and B > 1:
-            q, k, v, g, q_r, k_r, v_r = (t.reshape(1, B * T, *t.shape[2:]) for t in (q, k, v, g, q_r, k_r, v_r))
+            q, k, v, g, q_r, k_r, v_r, q_s, k_s = (None if t is None else t.reshape(1, B * T, *t.shape[2:])
+                                                   for t in (q, k, v, g, q_r, k_r, v_r, q_s, k_s))
         k_in, v_in = (_enter_state(t, cfg.window, cfg.sinks, cu_seqlens) for t in (k, v))
         o_lin, _ = chunk_gla(q, k_in, v_in, g, scale=scale, cu_seqlens=cu_seqlens, backend=cfg.gla_backend,
                              normalizer=True)
         o_win, lse = window_attention(q_r, k_r, v_r, cfg.window, cfg.sinks, scale=self.head_dim ** -0.5,
-                                      cu_seqlens=cu_seqlens, backend=cfg.gla_backend)
+                                      cu_seqlens=cu_seqlens, q_sink=q_s, k_sink=k_s, backend=cfg.gla_backend)
         return self._combine(o_win, lse, o_lin).reshape(B, T, self.num_heads, -1)
 
     def _hybrid_stream(self, q, k, v, g, exact, scale, pos, valid, cache):
         """Continuing from a cache (prefill in chunks, decode steps) or with padding: the
         cache's window buffer (the last W tokens' rotated keys, values, feature-mapped keys
-        and positions, -1 for none or padding) and sink buffer stand before the new tokens."""
+        and positions, -1 for none or padding) and sink buffer (the sinks' keys as
+        _exact_inputs turns them) stand before the new tokens."""
         cfg = self.config
         W, S = cfg.window, cfg.sinks
         B, T = q.shape[:2]
-        q_r, k_r, v_r = exact
+        q_r, k_r, v_r, q_s, k_s = exact
         buf = cache.window_buffers(self.layer_idx) if cache is not None else None
         if buf is None:
             buf = empty_window_buffers(B, W, S, k_r, k)
@@ -360,9 +383,9 @@ class GLAAttention(nn.Module):
             o_lin, new_state = chunk_gla(q, k_in, v_in, g, scale=scale, initial_state=state,
                                          output_final_state=cache is not None, backend=cfg.gla_backend,
                                          normalizer=True)
-        after = _advance_buffers(buf, K, V, FK, P, k_r, v_r, pos, W, S)
+        after = _advance_buffers(buf, K, V, FK, P, k_s, v_r, pos, W, S)
         # the sinks among the new tokens count too (each only for queries W or more later)
-        o_win, lse = _window_over_buffer(q_r, K, V, P, after, pos, W, self.head_dim ** -0.5)
+        o_win, lse = _window_over_buffer(q_r, q_s, K, V, P, after, pos, W, self.head_dim ** -0.5)
         if cache is not None:
             cache.set_recurrent_state(self.layer_idx, new_state)
             cache.set_window_buffers(self.layer_idx, after)
@@ -375,10 +398,22 @@ class GLAAttention(nn.Module):
                           eps=self.config.normalizer_eps, backend=self.config.gla_backend)
 
 
+def sink_rotation(config):
+    """(cos, sin) [head_dim] float32 that turn an unrotated key back by `window` steps with
+    the teacher's RoPE (rope(k, cos, sin) = rope_(-W)(k)), times the RoPE attention scaling
+    that the teacher's q and k each carry."""
+    inv_freq, scaling = rope_inv_freq(config)
+    half = config.head_dim // 2
+    angle = config.window * inv_freq.float()
+    angle = torch.cat([angle, angle.new_zeros(half - angle.numel())]) if angle.numel() < half else angle
+    angle = torch.cat([angle, angle])
+    return angle.cos() * scaling ** 2, -angle.sin() * scaling ** 2
+
+
 def empty_window_buffers(B, W, S, k_r, fk):
     """The window and sink buffers of a cache before any token: every position -1. Keys: the
     last W tokens' rotated keys, values, feature-mapped keys and positions (k, v, fk, pos) and
-    the S sinks' keys, values and positions (sk, sv, spos)."""
+    the S sinks' turned keys (_exact_inputs), values and positions (sk, sv, spos)."""
     return {"k": k_r.new_zeros(B, W, *k_r.shape[2:]), "v": k_r.new_zeros(B, W, *k_r.shape[2:]),
             "fk": fk.new_zeros(B, W, *fk.shape[2:]), "pos": torch.full((B, W), -1, device=k_r.device),
             "sk": k_r.new_zeros(B, S, *k_r.shape[2:]), "sv": k_r.new_zeros(B, S, *k_r.shape[2:]),
@@ -402,10 +437,10 @@ def _enter_state(x, W, S, cu_seqlens):
     return F.pad(x[:, :T - W], pad + [W, 0]) * ok
 
 
-def _window_over_buffer(q_r, K, V, P, buf, pos, W, scale, block=256):
+def _window_over_buffer(q_r, q_s, K, V, P, buf, pos, W, scale, block=256):
     """Exact softmax of the T new queries over their last W keys in K/V [B, W + T, Hkv, D]
-    (positions P, -1 = none) and over the sink buffer's keys (the new tokens' included) that
-    have left the query's window:
+    (positions P, -1 = none, scored with the rotated queries q_r) and over the sink buffer's
+    keys (the new tokens' included) that have left the query's window (scored with q_s):
     (o [B, T, H, D] in q's dtype, lse [B, T, H] float32). Plain PyTorch, query blocks of
     `block`, so memory stays O(block x (W + block))."""
     B, T, H, D = q_r.shape
@@ -429,7 +464,8 @@ def _window_over_buffer(q_r, K, V, P, buf, pos, W, scale, block=256):
             vs = sv.float().transpose(1, 2).repeat_interleave(R, 1)
             # a sink counts here once it has left the query's window
             seen = (spos[:, None, :] >= 0) & (spos[:, None, :] <= pos[:, a:b, None] - W)   # [B, n, S]
-            ss = (scale * qb @ ks.transpose(-1, -2)).masked_fill(~seen[:, None], float("-inf"))
+            qs = q_s[:, a:b].float().transpose(1, 2)
+            ss = (scale * qs @ ks.transpose(-1, -2)).masked_fill(~seen[:, None], float("-inf"))
             s, vv = torch.cat([ss, s], -1), torch.cat([vs, vv], -2)
         lse = torch.logsumexp(s, -1)                                               # [B, H, n]
         outs.append((torch.exp(s - lse[..., None]) @ vv).transpose(1, 2))
@@ -437,15 +473,15 @@ def _window_over_buffer(q_r, K, V, P, buf, pos, W, scale, block=256):
     return torch.cat(outs, 1).to(q_r.dtype), torch.cat(lses, 1)
 
 
-def _advance_buffers(buf, K, V, FK, P, k_r, v_r, pos, W, S):
+def _advance_buffers(buf, K, V, FK, P, k_s, v_r, pos, W, S):
     """The buffers after the new tokens: the last W of the concatenation, and the sinks among
-    the new tokens written into their slots."""
+    the new tokens (keys k_s, as _exact_inputs turns them) written into their slots."""
     new = {"k": K[:, -W:], "v": V[:, -W:], "fk": FK[:, -W:], "pos": P[:, -W:]}
     if S:
         hit = pos[:, :, None] == torch.arange(S, device=pos.device)                   # [B, T, S]
         got = hit.any(1)                                                               # [B, S]
-        hitf = hit.to(k_r.dtype)
-        new["sk"] = torch.where(got[:, :, None, None], torch.einsum("bts,bthd->bshd", hitf, k_r), buf["sk"])
+        hitf = hit.to(k_s.dtype)
+        new["sk"] = torch.where(got[:, :, None, None], torch.einsum("bts,bthd->bshd", hitf, k_s), buf["sk"])
         new["sv"] = torch.where(got[:, :, None, None], torch.einsum("bts,bthd->bshd", hitf, v_r), buf["sv"])
         new["spos"] = torch.where(got, torch.arange(S, device=pos.device).expand_as(got), buf["spos"])
     else:
