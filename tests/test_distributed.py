@@ -48,13 +48,14 @@ def _assert_same_run(a, b, rtol=2e-4, atol=2e-5):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("layout", ["ddp", "fsdp"])
-def test_two_processes_match_one(tmp_path, layout):
+@pytest.mark.parametrize("layout,options", [("ddp", []), ("fsdp", []),
+                                            ("fsdp", ["model.options.window=4", "model.options.sinks=2"])])
+def test_two_processes_match_one(tmp_path, layout, options):
     path = tiny_recipe(tmp_path, s1=3, s2=3, every=0)
     # One process with 2 blocks per micro-batch = two processes with 1 block each.
-    distill(load_recipe(path, ["stage1.batch_size=2", "stage2.batch_size=2"]), out=tmp_path / "one",
+    distill(load_recipe(path, ["stage1.batch_size=2", "stage2.batch_size=2", *options]), out=tmp_path / "one",
             log=lambda *_: None)
-    proc = _torchrun(2, ["--recipe", path, "stage1.batch_size=1", "stage2.batch_size=1",
+    proc = _torchrun(2, ["--recipe", path, "stage1.batch_size=1", "stage2.batch_size=1", *options,
                          f"train.distributed={layout}", "--out", tmp_path / "two"], tmp_path)
     assert proc.returncode == 0, _why(proc)
     assert not (tmp_path / "two.run").exists()
