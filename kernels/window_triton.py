@@ -83,6 +83,19 @@ def _load_vec(ptr, t0, n_valid, H: tl.constexpr, BT: tl.constexpr):
 
 
 @triton.jit
+def _sink_operands(qb, k_ptr, qs, ks, h, hk, bos, t0, n, QS: tl.constexpr, D: tl.constexpr, BD: tl.constexpr,
+                   BM: tl.constexpr, SPLIT: tl.constexpr):
+    """The sink part's query tile and key pointer: q_sink's and k_sink's when SPLIT, else the
+    window part's own."""
+    qsb = qb
+    ks_ptr = k_ptr
+    if SPLIT:
+        qsb = _load_rows(qs + h * D, bos + t0, n - t0, QS, 0, D, BM, BD)
+        ks_ptr = ks + hk * D
+    return qsb, ks_ptr
+
+
+@triton.jit
 def _fwd_block(qb, k_ptr, v_ptr, bos, j0, n, KS, allowed, m, l, acc, scale2,
                D: tl.constexpr, BD: tl.constexpr, BN: tl.constexpr, PREC: tl.constexpr):
     """One key block of the online softmax (scores in log2 units; m starts finite, so a row
@@ -117,12 +130,7 @@ def _window_fwd_kernel(q, k, v, qs, ks, o, lse, cu, indices, T, scale2, W, S,
     l = tl.zeros([BM], tl.float32)
     acc = tl.zeros([BM, BD], tl.float32)
     if HAS_SINKS:
-        if SPLIT:
-            qsb = _load_rows(qs + h * D, bos + t0, n - t0, QS, 0, D, BM, BD)
-            ks_ptr = ks + hk * D
-        else:
-            qsb = qb
-            ks_ptr = k_ptr
+        qsb, ks_ptr = _sink_operands(qb, k_ptr, qs, ks, h, hk, bos, t0, n, QS, D, BD, BM, SPLIT)
         for j0 in range(0, tl.minimum(S, t0 + BM - W), BS):
             cols = (j0 + tl.arange(0, BS))[None, :]
             allowed = (cols < S) & (cols <= rows - W)
@@ -175,12 +183,7 @@ def _window_bwd_dq_kernel(q, k, v, qs, ks, o, do, lse, dlse, delta, dq, dqs, dks
     valid = rows < n
     dqa = tl.zeros([BM, BD], tl.float32)
     if HAS_SINKS:
-        if SPLIT:
-            qsb = _load_rows(qs + h * D, bos + t0, n - t0, QS, 0, D, BM, BD)
-            ks_ptr = ks + hk * D
-        else:
-            qsb = qb
-            ks_ptr = k_ptr
+        qsb, ks_ptr = _sink_operands(qb, k_ptr, qs, ks, h, hk, bos, t0, n, QS, D, BD, BM, SPLIT)
         dqsa = tl.zeros([BM, BD], tl.float32)
         dcols = tl.arange(0, BD)[None, :]
         for j0 in range(0, tl.minimum(S, t0 + BM - W), BS):
