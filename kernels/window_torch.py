@@ -16,8 +16,8 @@ dtype and lse [B, T, H] float32 = log sum_j exp(scale * q_i . k_j) over the allo
 a caller that mixes the window with another attention part (the GLA state) re-weights o by
 exp(lse), so lse is an output with a gradient of its own.
 
-The reference computes in float32 with an explicit [T, T] mask per document: O(T^2)
-memory, for tests and for machines without Triton.
+The reference computes in float32, a block of queries at a time against the keys they can
+reach: for tests and for machines without Triton.
 """
 
 from __future__ import annotations
@@ -85,42 +85,38 @@ def window_bounds(cu_seqlens, B, T):
     return [(0, a, b) for a, b in zip(cu, cu[1:])]
 
 
-def window_parts(n, window, sinks, device=None):
-    """([n, n] bool, [n, n] bool): the window part (i - window < j <= i) and the sink part
-    (j < sinks, j <= i - window) of query i (row) and key j (column) within one document."""
-    i = torch.arange(n, device=device)[:, None]
-    j = torch.arange(n, device=device)[None, :]
-    return (j <= i) & (i - j < window), (j < sinks) & (j <= i - window)
-
-
-def window_attention_torch(q, k, v, window, sinks=0, scale=None, cu_seqlens=None, q_sink=None, k_sink=None):
+def window_attention_torch(q, k, v, window, sinks=0, scale=None, cu_seqlens=None, q_sink=None, k_sink=None,
+                           block=256):
     """(o [B, T, H, D] in q's dtype, lse [B, T, H] float32); differentiable in q, k, v (and
-    q_sink, k_sink) through both outputs (autograd on float32 maths)."""
+    q_sink, k_sink) through both outputs (autograd on float32 maths). Queries go `block` rows
+    at a time against their window's keys and the sinks before it: memory O(T (W + S + block)),
+    so a whole long document can be read on a CPU."""
     B, T, H, Hkv, D = check_window_inputs(q, k, v, window, sinks, scale, cu_seqlens, q_sink, k_sink)
     scale = D ** -0.5 if scale is None else float(scale)
     group = H // Hkv
+    heads = lambda x: x.float().transpose(0, 1)                             # [n, h, D] -> [h, n, D]  # noqa: E731
     outs, lses = [], []
     for b, start, end in window_bounds(cu_seqlens, B, T):
-        n = end - start
-        if n == 0:                             # an empty document holds no tokens
-            continue
-        qd = q[b, start:end].float().transpose(0, 1)                       # [H, n, D]
-        kd = k[b, start:end].float().transpose(0, 1).repeat_interleave(group, 0)
-        vd = v[b, start:end].float().transpose(0, 1).repeat_interleave(group, 0)
-        s = scale * qd @ kd.transpose(1, 2)                                # [H, n, n]
-        in_window, sink = window_parts(n, window, sinks, q.device)
-        if q_sink is not None:
-            qs = q_sink[b, start:end].float().transpose(0, 1)
-            ks = k_sink[b, start:end].float().transpose(0, 1).repeat_interleave(group, 0)
-            s = torch.where(sink, scale * qs @ ks.transpose(1, 2), s)
-        s = s.masked_fill(~(in_window | sink), float("-inf"))
-        lse_d = torch.logsumexp(s, dim=-1)                                 # [H, n]
-        p = torch.exp(s - lse_d[..., None])
-        outs.append((p @ vd).transpose(0, 1))                              # [n, H, D]
-        lses.append(lse_d.transpose(0, 1))
-    if cu_seqlens is None:                     # one document per batch row
-        return torch.stack(outs).to(q.dtype), torch.stack(lses)
-    return torch.cat(outs)[None].to(q.dtype), torch.cat(lses)[None]
+        for a in range(start, end, block):                     # query rows a .. e - 1 (absolute)
+            e = min(end, a + block)
+            lo = max(start, a - window + 1)                    # the first key any row's window reaches
+            cols = torch.cat([torch.arange(start, min(start + sinks, lo), device=q.device),
+                              torch.arange(lo, e, device=q.device)])
+            i = torch.arange(a, e, device=q.device)[:, None] - start       # positions in the document
+            j = cols[None, :] - start
+            in_window, sink = (j <= i) & (i - j < window), (j < sinks) & (j <= i - window)
+            kd = heads(k[b, cols]).repeat_interleave(group, 0)
+            s = scale * heads(q[b, a:e]) @ kd.transpose(1, 2)              # [H, rows, keys]
+            if q_sink is not None and sinks:
+                ks = heads(k_sink[b, cols]).repeat_interleave(group, 0)
+                s = torch.where(sink, scale * heads(q_sink[b, a:e]) @ ks.transpose(1, 2), s)
+            s = s.masked_fill(~(in_window | sink), float("-inf"))
+            lse = torch.logsumexp(s, dim=-1)                                # [H, rows]
+            p = torch.exp(s - lse[..., None])
+            outs.append((p @ heads(v[b, cols]).repeat_interleave(group, 0)).transpose(0, 1))
+            lses.append(lse.transpose(0, 1))
+    o, lse = torch.cat(outs), torch.cat(lses)                  # every row of every document, in order
+    return o.view(B, T, H, D).to(q.dtype), lse.view(B, T, H)
 
 
 def window_mix_torch(o_win, lse, o_lin, logit, shared=True, eps=1e-6):

@@ -71,12 +71,14 @@ def direct(q, k, v, window, sinks, scale, seqs, q_sink=None, k_sink=None):
 @pytest.mark.parametrize("split", [False, True])
 @pytest.mark.parametrize("T,window,sinks,seqs", [(13, 4, 0, None), (13, 4, 3, None), (9, 1, 2, None),
                                                  (17, 3, 2, [5, 1, 11]), (6, 10, 8, None)])
-def test_reference_matches_direct_softmax(T, window, sinks, seqs, split):
+@pytest.mark.parametrize("block", [256, 4])
+def test_reference_matches_direct_softmax(T, window, sinks, seqs, split, block):
     B = 1 if seqs else 2
     q, k, v, *_ = make_inputs(B, T, 4, 2, 8)
     sink = make_inputs(B, T, 4, 2, 8, seed=5)[:2] if split else (None, None)
     cu = _cu(seqs) if seqs else None
-    o, lse = window_attention_torch(q, k, v, window, sinks, scale=0.7, cu_seqlens=cu, q_sink=sink[0], k_sink=sink[1])
+    o, lse = window_attention_torch(q, k, v, window, sinks, scale=0.7, cu_seqlens=cu, q_sink=sink[0], k_sink=sink[1],
+                                    block=block)
     o_d, lse_d = direct(q, k, v, window, sinks, 0.7, seqs, *sink)
     assert rel(o, o_d) < 1e-6 and rel(lse, lse_d) < 1e-6
     if split and sinks and window < T:       # the sink part's scores come from q_sink, k_sink
