@@ -82,6 +82,9 @@ _TRUST_HELP = ("Run Python code that a model or tokenizer folder ships (auto_map
               help="Rotate only the RoPE pairs whose wavelength is at most this many tokens: the length you "
                    "will train at (distill uses its data.seq_len); slower pairs stay unrotated, which keeps "
                    "the model working past that length. 0: rotate every pair.")
+@click.option("--decay-horizon", type=click.FloatRange(0), default=0.0, show_default=True,
+              help="Bound every gate decay by exp(-1/H): the state forgets by a factor e at least every H tokens, "
+                   "so its sums stop growing within about H tokens (the length you will train at). 0: no bound.")
 @click.option("--state-heads", type=click.Choice(["kv", "query"]), default="kv", show_default=True,
               help="kv: query heads of a GQA group share one recurrent state; query: one state per query head "
                    "(own key feature map and gate; R times the state and its kernel work).")
@@ -103,13 +106,13 @@ _TRUST_HELP = ("Run Python code that a model or tokenizer folder ships (auto_map
 @click.option("--trust-remote-code", is_flag=True, help=_TRUST_HELP)
 @_friendly
 def convert(source, out, gate, gate_rank, gate_init_decay, feature_map, normalizer, rope, rope_max_wavelength,
-            state_heads, window, sinks, window_mix, dtype, max_shard_size, seed, report, force, trust_remote_code):
+            decay_horizon, state_heads, window, sinks, window_mix, dtype, max_shard_size, seed, report, force, trust_remote_code):
     """Convert SOURCE (a model folder, a .gguf file, a hub id, or smollm2-135m) into a GLA model in OUT."""
     from glaswap.convert import convert as run
 
     options = {"gate": gate, "gate_rank": gate_rank, "gate_init_decay": gate_init_decay,
                "feature_map": feature_map, "normalizer": normalizer, "use_rope": rope, "rope_max_wavelength": rope_max_wavelength,
-               "state_heads": state_heads, "window": window, "sinks": sinks, "window_mix": window_mix}
+               "decay_horizon": decay_horizon, "state_heads": state_heads, "window": window, "sinks": sinks, "window_mix": window_mix}
     run(source, out, options=options, force=force, dtype=dtype, max_shard_size=max_shard_size, report=report,
         seed=seed, trust_remote_code=trust_remote_code, log=click.echo)
 

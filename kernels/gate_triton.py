@@ -2,7 +2,7 @@
 
 The layer turns gate logits x [..., D] into per-step log-decays
 
-    g = logsigmoid(x) / n            (n = gate_normalizer > 0; g <= 0)
+    g = logsigmoid(x) / n - s        (n = gate_normalizer > 0, s >= 0; g <= -s)
 
 and, for the hedgehog_pm feature map, repeats them along the last dimension (both halves of
 the feature share their head dimension's decay). In PyTorch that is a cast, logsigmoid, a
@@ -43,7 +43,7 @@ def _load_x(x, rows, cols, n_rows, D: tl.constexpr):
 
 
 @triton.jit
-def _gate_fwd_kernel(x, y, n_rows, n, D: tl.constexpr, R: tl.constexpr, BD: tl.constexpr,
+def _gate_fwd_kernel(x, y, n_rows, n, s, D: tl.constexpr, R: tl.constexpr, BD: tl.constexpr,
                      BR: tl.constexpr):
     rows = tl.program_id(0).to(tl.int64) * BR + tl.arange(0, BR)
     cols = tl.arange(0, BD)
@@ -53,7 +53,7 @@ def _gate_fwd_kernel(x, y, n_rows, n, D: tl.constexpr, R: tl.constexpr, BD: tl.c
     # so g is never positive, and -0-ish (not above 0) for large positive x.
     u = 1.0 + e
     l1p = tl.where(u == 1.0, e, tl.log(u) * e / tl.where(u == 1.0, 1.0, u - 1.0))
-    g = ((tl.minimum(xf, 0.0) - l1p) / n).to(y.dtype.element_ty)
+    g = ((tl.minimum(xf, 0.0) - l1p) / n - s).to(y.dtype.element_ty)
     for r in tl.static_range(R):  # hedgehog_pm: the same decays in each half
         tl.store(y + rows[:, None] * (R * D) + r * D + cols[None, :], g, mask=m)
 
@@ -74,19 +74,19 @@ def _gate_bwd_kernel(x, dy, dx, n_rows, n, D: tl.constexpr, R: tl.constexpr, BD:
              mask=m)
 
 
-def _launch(kernel, x, *bufs, n, R):
+def _launch(kernel, x, *bufs, scalars, R):
     D = x.shape[-1]
     rows = x.numel() // D
     if rows:  # an empty grid is not launched
-        kernel[(_cdiv(rows, _ROWS),)](x, *bufs, rows, n, D=D, R=R, BD=max(16, _next_pow2(D)),
+        kernel[(_cdiv(rows, _ROWS),)](x, *bufs, rows, *scalars, D=D, R=R, BD=max(16, _next_pow2(D)),
                                       BR=_ROWS, num_warps=4)
 
 
 class _Gate(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, n, R):
+    def forward(ctx, x, n, s, R):
         y = _new(x.shape[:-1] + (R * x.shape[-1],), x.dtype, x.device)
-        _launch(_gate_fwd_kernel, x, y, n=n, R=R)
+        _launch(_gate_fwd_kernel, x, y, scalars=(n, s), R=R)
         ctx.save_for_backward(x)
         ctx.n, ctx.R = n, R
         return y
@@ -95,18 +95,20 @@ class _Gate(torch.autograd.Function):
     def backward(ctx, dy):
         (x,) = ctx.saved_tensors
         dx = _new(x.shape, x.dtype, x.device)
-        _launch(_gate_bwd_kernel, x, dy.contiguous(), dx, n=ctx.n, R=ctx.R)
-        return dx, None, None
+        _launch(_gate_bwd_kernel, x, dy.contiguous(), dx, scalars=(ctx.n,), R=ctx.R)
+        return dx, None, None, None
 
 
-def fused_gate(x, normalizer, repeat=1):
-    """x [..., D] gate logits -> logsigmoid(x) / normalizer, [..., repeat * D] in x's dtype
-    (repeat = 2 writes it twice along the last dimension), computed in float32."""
+def fused_gate(x, normalizer, repeat=1, shift=0.0):
+    """x [..., D] gate logits -> logsigmoid(x) / normalizer - shift, [..., repeat * D] in x's
+    dtype (repeat = 2 writes it twice along the last dimension), computed in float32."""
     if not isinstance(x, torch.Tensor) or x.dtype not in _DTYPES or x.ndim < 1 or x.shape[-1] < 1:
         raise ValueError(f"fused_gate wants a float32/float16/bfloat16 tensor [..., D] with D >= 1, "
                          f"got {getattr(x, 'dtype', type(x))} {tuple(getattr(x, 'shape', ()))}")
     if not float(normalizer) > 0:  # also refuses NaN
         raise ValueError(f"fused_gate wants normalizer > 0, got {normalizer}")
+    if not float(shift) >= 0:
+        raise ValueError(f"fused_gate wants shift >= 0, got {shift}")
     if repeat not in (1, 2):
         raise ValueError(f"fused_gate wants repeat 1 or 2, got {repeat!r}")
-    return _Gate.apply(x.contiguous(), float(normalizer), int(repeat))
+    return _Gate.apply(x.contiguous(), float(normalizer), float(shift), int(repeat))

@@ -84,12 +84,12 @@ def normalize(o, eps=1e-6, backend="auto"):
     return num / (den.float() + eps).to(num.dtype)
 
 
-def gate_logsigmoid(x, normalizer, repeat=1, backend="auto"):
-    """Gate logits x [..., D] -> log-decays logsigmoid(x) / normalizer (float32 maths, x's
-    dtype), repeated `repeat` times along the last dimension: [..., repeat * D]."""
+def gate_logsigmoid(x, normalizer, repeat=1, shift=0.0, backend="auto"):
+    """Gate logits x [..., D] -> log-decays logsigmoid(x) / normalizer - shift (float32 maths,
+    x's dtype), repeated `repeat` times along the last dimension: [..., repeat * D]."""
     if _use_triton(x, backend):
-        return fused_gate(x, normalizer, repeat)
-    g = (torch.nn.functional.logsigmoid(x.float()) / normalizer).to(x.dtype)
+        return fused_gate(x, normalizer, repeat, shift)
+    g = (torch.nn.functional.logsigmoid(x.float()) / normalizer - shift).to(x.dtype)
     return torch.cat([g] * repeat, dim=-1) if repeat > 1 else g
 
 

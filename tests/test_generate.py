@@ -212,7 +212,8 @@ def test_cache_states_are_constant_size(folders, variant, rows):
 
 
 def test_hybrid_cache_is_constant_size(folders):
-    """The window buffers hold the last `window` tokens and the sinks whatever the context."""
+    """The window buffers hold the last `window` tokens and the sinks whatever the context,
+    in memory of that size."""
     model = _load(folders["llama-window"])
     cfg = model.config
     shapes = []
@@ -220,6 +221,10 @@ def test_hybrid_cache_is_constant_size(folders):
         for T in (3, 50):
             cache = cache_of(model(torch.randint(0, 128, (1, T)), use_cache=True))
             shapes.append([{k: tuple(t.shape) for k, t in w.items()} for w in cache.windows])
+            # and own only that: a view into the prefill's keys would keep all T of them alive
+            for w in cache.windows:
+                for k, t in w.items():
+                    assert t.untyped_storage().nbytes() == t.numel() * t.element_size(), (T, k)
             pos = cache.windows[0]["pos"][0].tolist()
             assert pos == ([-1] * (cfg.window - T) + list(range(T)) if T < cfg.window
                            else list(range(T - cfg.window, T)))

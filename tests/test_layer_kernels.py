@@ -211,16 +211,16 @@ def test_gpu_fused_normalize_bf16():
 
 
 # ------------------------------------------------------------------ gate activation
-def check_gate(x, repeat, tol, normalizer=16.0, seed=0):
+def check_gate(x, repeat, tol, normalizer=16.0, seed=0, shift=0.0):
     """fused_gate on x (any float dtype, on DEVICE) against the torch path on x.double():
     output and dx for a random upstream gradient. Returns (y, dx) for further checks."""
     gen = torch.Generator().manual_seed(seed)
     dy = torch.randn(*x.shape[:-1], repeat * x.shape[-1], generator=gen)
     ref_x = x.detach().cpu().double().requires_grad_()
-    ref = gate_logsigmoid(ref_x, normalizer, repeat, backend="torch")
+    ref = gate_logsigmoid(ref_x, normalizer, repeat, shift=shift, backend="torch")
     (ref * dy.double()).sum().backward()
     got_x = x.detach().to(DEVICE).requires_grad_()
-    got = gate_triton.fused_gate(got_x, normalizer, repeat)
+    got = gate_triton.fused_gate(got_x, normalizer, repeat, shift)
     (got.float() * dy.to(DEVICE)).sum().backward()
     assert got.dtype == x.dtype and got.shape == ref.shape and got_x.grad.dtype == x.dtype
     for name, a, b in (("out", got, ref), ("grad", got_x.grad, ref_x.grad)):
@@ -253,6 +253,15 @@ def test_fused_gate_one_row_and_strided_input():
     check_gate(gate_logits((2, 9, 3, 1), torch.float32).expand(2, 9, 3, 24), 2, 1e-6)
 
 
+def test_fused_gate_shift():
+    """decay_horizon's shift: every log-decay lies at or below -shift, the gradient unchanged."""
+    x = gate_logits((2, 37, 3, 48), torch.float32)
+    y, dx = check_gate(x, 2, 1e-6, shift=1 / 256)
+    y0, dx0 = check_gate(x, 2, 1e-6)
+    assert (y <= -1 / 256).all() and y.max() > -1 / 256 - 1e-4   # saturated logits sit at the bound
+    torch.testing.assert_close(y, y0 - 1 / 256) and torch.testing.assert_close(dx, dx0)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_fused_gate_extreme_logits(dtype):
     vals = torch.tensor([-1e4, -50.0, -1.0, 0.0, 1.0, 50.0, 1e4])
@@ -272,6 +281,8 @@ def test_fused_gate_bad_inputs():
         gate_triton.fused_gate(x, 0.0)
     with pytest.raises(ValueError, match="repeat 1 or 2"):
         gate_triton.fused_gate(x, 16.0, repeat=3)
+    with pytest.raises(ValueError, match="shift >= 0"):
+        gate_triton.fused_gate(x, 16.0, shift=-0.1)
     # The dispatcher routes backend="triton" here.
     y = gate_logsigmoid(x, 16.0, 2, backend="triton")
     assert rel(y.cpu(), gate_logsigmoid(x, 16.0, 2, backend="torch").cpu()) < 1e-6

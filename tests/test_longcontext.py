@@ -201,6 +201,36 @@ def test_slow_pairs_stay_unrotated_on_the_gla_path(folder):
     assert (got - full).abs().max() > 1e-3                  # the option changes the model
 
 
+# ----------------------------------------------------------------------------- the decay horizon
+@pytest.mark.parametrize("gate", ["lowrank", "key", "scalar"])
+def test_decay_horizon_bounds_every_decay_and_keeps_the_starting_one(gate):
+    """With decay_horizon H no per-step decay exceeds exp(-1/H), whatever the gate's logits,
+    and a converted layer still starts at gate_init_decay."""
+    from glaswap.layers.gla_attention import GLAAttention
+
+    cfg = GLASwapConfig(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16, gate=gate,
+                        gate_init_decay=0.99, decay_horizon=200.0, gla_backend="torch")
+    layer = GLAAttention(cfg, layer_idx=0)
+    x = torch.randn(2, 7, 64)
+    k_raw = layer._project(x)[1]
+    g = layer._gate(x, k_raw)
+    if gate != "key":   # the key gate's logits depend on the keys from step 0
+        torch.testing.assert_close(g.exp(), torch.full_like(g, 0.99))
+    with torch.no_grad():
+        for p in layer.parameters():
+            p.add_(50.0)    # logits far above 0: the decays press against the bound
+        g = layer._gate(x + 10, layer._project(x + 10)[1])
+    assert (g <= -1 / 200 + 1e-7).all() and g.max() > -1 / 200 - 1e-4
+
+
+def test_decay_horizon_checks():
+    with pytest.raises(ValueError, match="not below exp"):
+        GLASwapConfig(gate_init_decay=0.995, decay_horizon=100.0)
+    with pytest.raises(ValueError, match="decay_horizon"):
+        GLASwapConfig(decay_horizon=-1.0)
+    assert GLASwapConfig(gate_init_decay=0.99, decay_horizon=256.0).decay_horizon == 256.0
+
+
 # ----------------------------------------------------------------------------- the real demo model
 @pytest.mark.slow
 def test_demo_model_keeps_its_loss_past_the_training_length(tmp_path):

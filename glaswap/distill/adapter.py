@@ -22,6 +22,7 @@ from glaswap.models.configuration_glaswap import GLA_OPTIONS
 CONVERT_FLAGS = {"gate": "--gate", "gate_rank": "--gate-rank", "gate_init_decay": "--gate-init-decay",
                  "feature_map": "--feature-map", "normalizer": ("--normalizer", "--no-normalizer"),
                  "use_rope": ("--rope", "--no-rope"), "rope_max_wavelength": "--rope-max-wavelength",
+                 "decay_horizon": "--decay-horizon",
                  "state_heads": "--state-heads", "window": "--window", "sinks": "--sinks",
                  "window_mix": "--window-mix"}
 

@@ -174,7 +174,7 @@ class GLAAttention(nn.Module):
         projection is small and random so gradients reach it once `gate_up` moves.
         """
         cfg = self.config
-        bias = _logit_for_decay(cfg.gate_init_decay, cfg.gate_normalizer)
+        bias = _logit_for_decay(cfg.gate_init_decay * math.exp(self._decay_shift()), cfg.gate_normalizer)
         if cfg.gate == "lowrank":
             nn.init.normal_(self.gate_down.weight, std=self.hidden_size ** -0.5)
             self.gate_up.weight.zero_()
@@ -214,11 +214,19 @@ class GLAAttention(nn.Module):
         elif cfg.gate == "scalar":
             logits = self.gate_proj(x).view(B, T, Hs, 1).expand(B, T, Hs, self.head_dim)
         else:  # key: reuse the key projection (before RoPE), shifted to the starting decay
-            logits = self._per_state_head(k_raw) + _logit_for_decay(cfg.gate_init_decay, cfg.gate_normalizer)
+            logits = self._per_state_head(k_raw) + _logit_for_decay(cfg.gate_init_decay * math.exp(self._decay_shift()),
+                                                                    cfg.gate_normalizer)
         # logsigmoid(logits) / gate_normalizer in float32, stored in x's dtype; one Triton
         # kernel each way on CUDA (writing both halves for hedgehog_pm).
         return gate_logsigmoid(logits.to(x.dtype), cfg.gate_normalizer,
-                               repeat=2 if cfg.feature_map == "hedgehog_pm" else 1, backend=cfg.gla_backend)
+                               repeat=2 if cfg.feature_map == "hedgehog_pm" else 1, shift=self._decay_shift(),
+                               backend=cfg.gla_backend)
+
+    def _decay_shift(self):
+        """1 / decay_horizon (0 without one): subtracted from every log-decay, so no decay
+        exceeds exp(-1 / decay_horizon); the gate's bias adds it back at initialisation."""
+        horizon = float(getattr(self.config, "decay_horizon", 0.0) or 0.0)
+        return 1.0 / horizon if horizon else 0.0
 
     def _per_state_head(self, t):
         """A [B, T, Hkv, ...] key/value tensor repeated over each group's query heads when
@@ -475,8 +483,9 @@ def _window_over_buffer(q_r, q_s, K, V, P, buf, pos, W, scale, block=256):
 
 def _advance_buffers(buf, K, V, FK, P, k_s, v_r, pos, W, S):
     """The buffers after the new tokens: the last W of the concatenation, and the sinks among
-    the new tokens (keys k_s, as _exact_inputs turns them) written into their slots."""
-    new = {"k": K[:, -W:], "v": V[:, -W:], "fk": FK[:, -W:], "pos": P[:, -W:]}
+    the new tokens (keys k_s, as _exact_inputs turns them) written into their slots. Copies,
+    not views: a view of the last W rows would keep a whole prefill's keys alive."""
+    new = {"k": K[:, -W:].clone(), "v": V[:, -W:].clone(), "fk": FK[:, -W:].clone(), "pos": P[:, -W:].clone()}
     if S:
         hit = pos[:, :, None] == torch.arange(S, device=pos.device)                   # [B, T, S]
         got = hit.any(1)                                                               # [B, S]

@@ -5,6 +5,8 @@ Copied into every saved model folder; imports nothing from glaswap.
 
 from __future__ import annotations
 
+import math
+
 from transformers import PretrainedConfig
 
 GLA_OPTIONS = {
@@ -20,6 +22,11 @@ GLA_OPTIONS = {
     # RoPE on the GLA path only for the pairs of dimensions whose wavelength (2 pi / frequency)
     # is at most this many tokens; the slower pairs stay unrotated. 0: rotate every pair.
     "rope_max_wavelength": (0.0, float),
+    # Every per-step decay is at most exp(-1 / decay_horizon): a key's weight in the state falls
+    # by e at least every decay_horizon tokens, so the state's sums stop growing within about
+    # that many tokens (the length you train at keeps longer reads inside what training saw).
+    # 0: no bound.
+    "decay_horizon": (0.0, float),
     # kv: the query heads of a GQA group share one state (the teacher's KV heads); query: each
     # query head keeps its own state, with its own key feature map and gate (R times the memory).
     "state_heads": ("kv", ("kv", "query")),
@@ -58,6 +65,12 @@ def check_gla_options(opts):
         raise ValueError(f"invalid gate_init_decay {merged['gate_init_decay']!r}; expected 0 < decay < 1")
     if float(merged["rope_max_wavelength"]) < 0:
         raise ValueError(f"invalid rope_max_wavelength {merged['rope_max_wavelength']!r}; expected >= 0 (0: every pair)")
+    horizon = float(merged["decay_horizon"])
+    if horizon < 0:
+        raise ValueError(f"invalid decay_horizon {merged['decay_horizon']!r}; expected >= 0 (0: no bound)")
+    if horizon and not float(merged["gate_init_decay"]) < math.exp(-1.0 / horizon):
+        raise ValueError(f"gate_init_decay {merged['gate_init_decay']} is not below exp(-1/decay_horizon) = "
+                         f"{math.exp(-1.0 / horizon):.6f}; lower gate_init_decay or raise decay_horizon")
     for name in ("window", "sinks"):
         if isinstance(merged[name], bool) or not isinstance(merged[name], int) or merged[name] < 0:
             raise ValueError(f"invalid {name} {merged[name]!r}; expected a whole number >= 0")
@@ -107,6 +120,7 @@ class GLASwapConfig(PretrainedConfig):
         normalizer_eps=1e-6,
         use_rope=True,
         rope_max_wavelength=0.0,
+        decay_horizon=0.0,
         state_heads="kv",
         gla_backend="auto",
         window=0,
@@ -141,6 +155,7 @@ class GLASwapConfig(PretrainedConfig):
         self.normalizer_eps = normalizer_eps
         self.use_rope = use_rope
         self.rope_max_wavelength = rope_max_wavelength
+        self.decay_horizon = decay_horizon
         self.state_heads = state_heads
         self.gla_backend = gla_backend
         self.window = window
