@@ -290,7 +290,8 @@ def test_fused_gate_bad_inputs():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="needs CUDA")
-@pytest.mark.parametrize("repeat", [1, 2])
-def test_gpu_fused_gate_bf16(repeat):
-    # A 1B model's gate: 8 x 2048 tokens, 8 KV heads of 64 (hedgehog_pm: repeat 2).
-    check_gate(gate_logits((8, 2048, 8, 64), torch.bfloat16), repeat, 1e-2)
+@pytest.mark.parametrize("repeat, shift", [(1, 0.0), (2, 0.0), (2, 1 / 2048)])
+def test_gpu_fused_gate_bf16(repeat, shift):
+    # A 1B model's gate: 8 x 2048 tokens, 8 KV heads of 64 (hedgehog_pm: repeat 2), with and
+    # without a decay horizon's shift.
+    check_gate(gate_logits((8, 2048, 8, 64), torch.bfloat16), repeat, 1e-2, shift=shift)
