@@ -1,8 +1,8 @@
 """Compiles every kernel launch of the GLA kernels for a GPU target without a GPU, and reports
 registers, spills, shared memory and load widths per launch (Triton + ptxas).
 
-The host code of fused_chunk_gla (forward + backward), fused_recurrent_gla and the layer
-kernels runs on CPU tensors with every launch recorded instead of run; each recorded launch
+The host code of fused_chunk_gla (forward + backward), fused_recurrent_gla, the layer
+kernels and the hybrid layer's window, mix and RoPE kernels runs on CPU tensors with every launch recorded instead of run; each recorded launch
 is then compiled for sm_<arch>. Needs TRITON_INTERPRET unset (the interpreter never
 compiles), so the tests run it in a subprocess:
 
@@ -42,21 +42,35 @@ PTXAS_LAYER_CASES = [
 ]
 
 
+# The hybrid layer's kernels: (dtype, B, T, H, Hkv, D, window, sinks, split sink operands) for
+# the window op (forward, dq and dk/dv), with the mix and RoPE kernels at the same sizes.
+PTXAS_WINDOW_CASES = [
+    ("bf16", 2, 2048, 32, 8, 64, 128, 4, True),
+    ("bf16", 2, 2048, 32, 8, 64, 128, 0, False),
+    ("bf16", 2, 2048, 16, 16, 128, 128, 4, True),
+    ("fp32", 1, 512, 4, 2, 80, 64, 4, False),
+]
+
+
 class _Ctx:
     """A stand-in for autograd's ctx, to run an autograd.Function's forward and backward by hand."""
 
     def save_for_backward(self, *tensors):
         self.saved_tensors = tensors
 
+    def set_materialize_grads(self, value):
+        pass
+
 
 def ptxas_report(cases=PTXAS_CASES, arch=90, out=sys.stdout, layer_cases=PTXAS_LAYER_CASES,
-                 overrides=None):
+                 overrides=None, window_cases=PTXAS_WINDOW_CASES):
     """Runs the host code of fused_chunk_gla (forward + backward) and fused_recurrent_gla on
     CPU tensors, and of the feature-map, normaliser and gate kernels (`layer_cases`), with
     every kernel launch recorded instead of run, compiles each recorded launch for
     sm_<arch> with Triton and ptxas, and prints registers, spills and shared memory. Needs no
-    GPU and TRITON_INTERPRET unset. `overrides`: launch-rule overrides (as --set). Returns
-    the rows (dicts)."""
+    GPU and TRITON_INTERPRET unset. `overrides`: launch-rule overrides (as --set).
+    `window_cases`: the window, mix and RoPE kernels of a hybrid layer. Returns the rows
+    (dicts)."""
     if os.environ.get("TRITON_INTERPRET") == "1":
         raise RuntimeError("the compile report needs TRITON_INTERPRET unset")
     import re
@@ -68,7 +82,8 @@ def ptxas_report(cases=PTXAS_CASES, arch=90, out=sys.stdout, layer_cases=PTXAS_L
     from triton.runtime.jit import JITFunction
 
     from glaswap_kernels import (feature_map_triton, gate_triton, gla_launch, gla_recurrent,
-                                 gla_triton, normalizer_triton)
+                                 gla_triton, normalizer_triton, rope_triton, window_mix_triton,
+                                 window_triton)
     tdt = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32",
            torch.int32: "i32", torch.int64: "i64"}
     dtypes = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}   # the cases' names
@@ -82,7 +97,8 @@ def ptxas_report(cases=PTXAS_CASES, arch=90, out=sys.stdout, layer_cases=PTXAS_L
             return lambda *args, **kwargs: calls.append((self.fn, grid, args, kwargs))
 
     saved = {}
-    for mod in (gla_triton, gla_recurrent, feature_map_triton, normalizer_triton, gate_triton):
+    for mod in (gla_triton, gla_recurrent, feature_map_triton, normalizer_triton, gate_triton,
+                window_triton, window_mix_triton, rope_triton):
         for name in dir(mod):
             obj = getattr(mod, name)
             if isinstance(obj, JITFunction) and name.endswith("_kernel"):
@@ -121,10 +137,26 @@ def ptxas_report(cases=PTXAS_CASES, arch=90, out=sys.stdout, layer_cases=PTXAS_L
                     (normalizer_triton._Normalize,
                      (torch.zeros(1, T, H, gla_launch._state_stride(D, True), dtype=dtype)[..., :D + 1],
                       1e-6), x),
-                    (gate_triton._Gate, (x, 16.0, 1 + pm), torch.zeros(1, T, H, D * (1 + pm), dtype=dtype))):
+                    (gate_triton._Gate, (x, 16.0, 1 / 2048, 1 + pm), torch.zeros(1, T, H, D * (1 + pm), dtype=dtype))):
                 ctx = _Ctx()
                 fn.forward(ctx, *args)
                 fn.backward(ctx, grad)
+        for dt, B, T, H, Hkv, D, W, S, split in window_cases:
+            dtype = dtypes[dt]
+            q, k = torch.zeros(B, T, H, D, dtype=dtype), torch.zeros(B, T, Hkv, D, dtype=dtype)
+            plan = window_triton._Plan(T, D, S, dtype)
+            ctx = _Ctx()
+            o, lse = window_triton._WindowAttention.forward(ctx, q, k, k, W, S, D ** -0.5, None, plan,
+                                                            q if split else None, k if split else None)
+            window_triton._WindowAttention.backward(ctx, o, lse)
+            o_lin = torch.zeros(B, T, H, gla_launch._state_stride(D, True), dtype=dtype)[..., :D + 1]
+            ctx = _Ctx()
+            window_mix_triton._WindowMix.forward(ctx, o, lse, o_lin, torch.zeros(H), True, 1e-6)
+            window_mix_triton._WindowMix.backward(ctx, o)
+            ctx = _Ctx()
+            cs = torch.zeros(1, T, D)
+            rope_triton._Rope.forward(ctx, q, cs, cs)
+            rope_triton._Rope.backward(ctx, q)
     finally:
         for (mod, name), obj in saved.items():
             setattr(mod, name, obj)
@@ -195,7 +227,7 @@ def ptxas_report(cases=PTXAS_CASES, arch=90, out=sys.stdout, layer_cases=PTXAS_L
         shown = {k: v for k, v in constexprs.items()
                  if k in ("K", "V", "BT", "BK", "BV", "R", "NK", "NV", "WITH_DV", "ALL_V", "IS_VARLEN",
                           "DOT_BF16", "NORM", "SEGMENTED", "D", "PM", "DW", "PATH", "ONE_PASS",
-                          "STORE_P", "LOAD_P")}
+                          "STORE_P", "LOAD_P", "HAS_SINKS", "SPLIT", "SHARED", "BWD")}
         row = dict(kernel=fn.__name__, grid=str(grid), regs=regs, spill_bytes=spills,
                    smem=compiled.metadata.shared, loads_x1=loads[1], loads_x2=loads[2],
                    loads_x4=loads[4], **options, **shown)
@@ -210,5 +242,6 @@ if __name__ == "__main__":
     spec = json.loads(sys.argv[1]) if len(sys.argv) > 1 else {}
     rows = ptxas_report([tuple(c) for c in spec.get("cases", PTXAS_CASES)], out=sys.stderr,
                         layer_cases=[tuple(c) for c in spec.get("layer_cases", PTXAS_LAYER_CASES)],
-                        overrides=spec.get("overrides"))
+                        overrides=spec.get("overrides"),
+                        window_cases=[tuple(c) for c in spec.get("window_cases", PTXAS_WINDOW_CASES)])
     print("ROWS", json.dumps(rows))

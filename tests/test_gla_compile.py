@@ -18,10 +18,11 @@ pytestmark = [pytest.mark.slow, pytest.mark.compile]
 HOPPER_SMEM = 227 * 1024
 
 
-def compile_report(cases, layer_cases, overrides=None):
+def compile_report(cases, layer_cases, overrides=None, window_cases=()):
     """gla_compile_report's rows for these cases (with launch-rule overrides), from a
     subprocess: TRITON_INTERPRET must be unset there."""
-    spec = json.dumps({"cases": cases, "layer_cases": layer_cases, "overrides": overrides or {}})
+    spec = json.dumps({"cases": cases, "layer_cases": layer_cases, "overrides": overrides or {},
+                       "window_cases": list(window_cases)})
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
     res = subprocess.run([sys.executable, os.path.join(HERE, "gla_compile_report.py"), spec],
@@ -96,3 +97,19 @@ def test_dv_all_v_compiles_for_hopper():
     dv = [r for r in compile_report(case, [], {}) if r["kernel"] == "_bwd_dv_kernel"]
     assert dv and dv[0]["ALL_V"] == 0 and dv[0]["grid"].startswith("(1,"), dv
     assert dv[0]["LOAD_P"] == 1 and dv[0]["regs"] is not None, dv
+
+
+def test_hybrid_kernels_compile_for_hopper():
+    """The hybrid layer's kernels (the window op with and without split sink operands, the
+    mix, RoPE) build for sm_90 at the recipes' head dims and at D 80 in float32, ptxas
+    assembles each without spilling, and each fits a program's shared memory."""
+    cases = [("bf16", 1, 512, 8, 2, 64, 128, 4, True), ("bf16", 1, 512, 8, 2, 64, 64, 0, False),
+             ("bf16", 1, 512, 4, 4, 128, 128, 4, True), ("fp32", 1, 256, 4, 2, 80, 16, 4, False)]
+    rows = compile_report([], [], window_cases=cases)
+    names = {r["kernel"] for r in rows}
+    assert names == {"_window_fwd_kernel", "_window_bwd_dq_kernel", "_window_bwd_dkv_kernel",
+                     "_mix_fwd_kernel", "_mix_bwd_kernel", "_rope_kernel"}, names
+    assert {r.get("SPLIT") for r in rows if r["kernel"] == "_window_bwd_dq_kernel"} == {True, False}
+    assert all(r["regs"] is not None and r["spill_bytes"] == 0 for r in rows), \
+        [(r["kernel"], r["regs"], r["spill_bytes"]) for r in rows]
+    assert all(r["smem"] <= HOPPER_SMEM for r in rows), [(r["kernel"], r["smem"]) for r in rows]
