@@ -2,8 +2,8 @@
 registers, spills, shared memory and load widths per launch (Triton + ptxas).
 
 The host code of fused_chunk_gla (forward + backward), fused_recurrent_gla, the layer
-kernels and the hybrid layer's window, mix and RoPE kernels runs on CPU tensors with every launch recorded instead of run; each recorded launch
-is then compiled for sm_<arch>. Needs TRITON_INTERPRET unset (the interpreter never
+kernels and the hybrid layer's window, mix and RoPE kernels runs on CPU tensors with every
+launch recorded instead of run; each recorded launch is then compiled for sm_<arch>. Needs TRITON_INTERPRET unset (the interpreter never
 compiles), so the tests run it in a subprocess:
 
     python tests/gla_compile_report.py '{"cases": [...], "layer_cases": [...], "overrides": {}}'
