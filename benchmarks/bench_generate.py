@@ -14,8 +14,8 @@ is torch.cuda.max_memory_allocated over the decode steps. The benchmark itself i
 only reads the arguments and prints what the machine runs.
 
 Runs from the repo root without glaswap installed: the repo root is put on sys.path and,
-when `glaswap_kernels` is not importable (no install, no symlink), kernels/ is loaded under
-that name.
+when `glaswap_kernels` is not importable (no install), the checkout's glaswap_kernels/ is
+loaded under that name.
 """
 
 from __future__ import annotations
@@ -31,14 +31,14 @@ if str(REPO) not in sys.path:
 
 
 def _ensure_kernels_package():
-    """Make `import glaswap_kernels` work from a source checkout (pyproject maps kernels/ to it)."""
+    """Make `import glaswap_kernels` work from a source checkout."""
     try:
         import glaswap_kernels  # noqa: F401
         return
     except ImportError:
         pass
-    spec = importlib.util.spec_from_file_location("glaswap_kernels", REPO / "kernels" / "__init__.py",
-                                                  submodule_search_locations=[str(REPO / "kernels")])
+    spec = importlib.util.spec_from_file_location("glaswap_kernels", REPO / "glaswap_kernels" / "__init__.py",
+                                                  submodule_search_locations=[str(REPO / "glaswap_kernels")])
     module = importlib.util.module_from_spec(spec)
     sys.modules["glaswap_kernels"] = module
     spec.loader.exec_module(module)

@@ -47,14 +47,14 @@ OVERRIDES: dict = {}
 
 
 def kernel_modules(*names):
-    """glaswap_kernels' modules `names`; without glaswap installed, kernels/ of this checkout
-    loaded under its package name."""
+    """glaswap_kernels' modules `names`; without glaswap installed, this checkout's
+    glaswap_kernels/ loaded as the package."""
     import importlib
     try:
         import glaswap_kernels  # noqa: F401
     except ImportError:
         import importlib.util
-        root = os.path.join(os.path.dirname(HERE), "kernels")
+        root = os.path.join(os.path.dirname(HERE), "glaswap_kernels")
         spec = importlib.util.spec_from_file_location(
             "glaswap_kernels", os.path.join(root, "__init__.py"), submodule_search_locations=[root])
         pkg = importlib.util.module_from_spec(spec)

@@ -24,7 +24,7 @@ mkdir -p "$out"
 shim="$(mktemp -d)"
 trap 'rm -rf "$shim"' EXIT
 ln -s "$PWD/glaswap" "$shim/glaswap"
-ln -s "$PWD/kernels" "$shim/glaswap_kernels"
+ln -s "$PWD/glaswap_kernels" "$shim/glaswap_kernels"
 export PYTHONPATH="$shim${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 
 tests() { python3 -m pytest -q -rfE -p no:cacheprovider -m gpu tests/ "$@" 2>&1 | tee "$out/gpu_tests.log"; }

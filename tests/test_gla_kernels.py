@@ -440,7 +440,7 @@ def test_bad_cu_seqlens():
 
 
 def test_kernel_files_are_self_contained():
-    """kernels/ is copied flat into saved model folders: only relative sibling imports, and
+    """glaswap_kernels/ is copied flat into saved model folders: only relative sibling imports, and
     every sibling imported is one of the files copied (glaswap.checkpoint.CODE_FILES)."""
     import re
     from pathlib import Path
