@@ -229,6 +229,13 @@ def test_hybrid_cache_is_constant_size(folders):
             assert pos == ([-1] * (cfg.window - T) + list(range(T)) if T < cfg.window
                            else list(range(T - cfg.window, T)))
             assert cache.windows[0]["spos"][0].tolist() == list(range(min(T, cfg.sinks))) + [-1] * (cfg.sinks - min(T, cfg.sinks))
+            # decode steps keep at most one row more than the window
+            for _ in range(3):
+                cache = cache_of(model(torch.randint(0, 128, (1, 1)), past_key_values=cache, use_cache=True))
+            for w in cache.windows:
+                for k in ("k", "v", "fk", "pos"):
+                    t = w[k]
+                    assert t.untyped_storage().nbytes() <= t.numel() * t.element_size() * (cfg.window + 1) // cfg.window
     assert shapes[0] == shapes[1]
     assert shapes[0][0]["k"] == (1, cfg.window, cfg.num_key_value_heads, cfg.head_dim)
     assert shapes[0][0]["sk"] == (1, cfg.sinks, cfg.num_key_value_heads, cfg.head_dim)

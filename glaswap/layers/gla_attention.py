@@ -174,7 +174,7 @@ class GLAAttention(nn.Module):
         projection is small and random so gradients reach it once `gate_up` moves.
         """
         cfg = self.config
-        bias = _logit_for_decay(cfg.gate_init_decay * math.exp(self._decay_shift()), cfg.gate_normalizer)
+        bias = self._start_logit()
         if cfg.gate == "lowrank":
             nn.init.normal_(self.gate_down.weight, std=self.hidden_size ** -0.5)
             self.gate_up.weight.zero_()
@@ -214,8 +214,7 @@ class GLAAttention(nn.Module):
         elif cfg.gate == "scalar":
             logits = self.gate_proj(x).view(B, T, Hs, 1).expand(B, T, Hs, self.head_dim)
         else:  # key: reuse the key projection (before RoPE), shifted to the starting decay
-            logits = self._per_state_head(k_raw) + _logit_for_decay(cfg.gate_init_decay * math.exp(self._decay_shift()),
-                                                                    cfg.gate_normalizer)
+            logits = self._per_state_head(k_raw) + self._start_logit()
         # logsigmoid(logits) / gate_normalizer in float32, stored in x's dtype; one Triton
         # kernel each way on CUDA (writing both halves for hedgehog_pm).
         return gate_logsigmoid(logits.to(x.dtype), cfg.gate_normalizer,
@@ -224,9 +223,14 @@ class GLAAttention(nn.Module):
 
     def _decay_shift(self):
         """1 / decay_horizon (0 without one): subtracted from every log-decay, so no decay
-        exceeds exp(-1 / decay_horizon); the gate's bias adds it back at initialisation."""
-        horizon = float(getattr(self.config, "decay_horizon", 0.0) or 0.0)
+        exceeds exp(-1 / decay_horizon)."""
+        horizon = float(self.config.decay_horizon)
         return 1.0 / horizon if horizon else 0.0
+
+    def _start_logit(self):
+        """The gate logit whose decay, after the horizon's shift, is gate_init_decay."""
+        cfg = self.config
+        return _logit_for_decay(cfg.gate_init_decay * math.exp(self._decay_shift()), cfg.gate_normalizer)
 
     def _per_state_head(self, t):
         """A [B, T, Hkv, ...] key/value tensor repeated over each group's query heads when
@@ -483,9 +487,11 @@ def _window_over_buffer(q_r, q_s, K, V, P, buf, pos, W, scale, block=256):
 
 def _advance_buffers(buf, K, V, FK, P, k_s, v_r, pos, W, S):
     """The buffers after the new tokens: the last W of the concatenation, and the sinks among
-    the new tokens (keys k_s, as _exact_inputs turns them) written into their slots. Copies,
-    not views: a view of the last W rows would keep a whole prefill's keys alive."""
-    new = {"k": K[:, -W:].clone(), "v": V[:, -W:].clone(), "fk": FK[:, -W:].clone(), "pos": P[:, -W:].clone()}
+    the new tokens (keys k_s, as _exact_inputs turns them) written into their slots. After
+    several new tokens the last W rows are copied, since a view would keep a whole prefill's
+    keys alive; after one (a decode step) a view holds a single row more, and saves a copy."""
+    last = (lambda t: t[:, -W:]) if K.shape[1] == W + 1 else (lambda t: t[:, -W:].clone())
+    new = {"k": last(K), "v": last(V), "fk": last(FK), "pos": last(P)}
     if S:
         hit = pos[:, :, None] == torch.arange(S, device=pos.device)                   # [B, T, S]
         got = hit.any(1)                                                               # [B, S]
