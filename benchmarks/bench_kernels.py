@@ -116,11 +116,15 @@ def floor_bytes(s, backward: bool) -> int:
 
 def gates_like(kind, shape, device, gen):
     """Per-step log-decays. seed: the seed benchmark's logsigmoid(N(0,1)) / 16 (weak: every
-    chunk takes the one-matmul path). trained: what distillation learns (SmolLM2's stage 1
+    chunk takes the one-matmul path); steep: logsigmoid(N(0,1)), 40% of steps keep less than
+    0.37 of the state. trained: what distillation learns (SmolLM2's stage 1
     slowed 2.5x as its gates formed): 40% of channels keep 0.14-0.5 of their state a step,
-    more than 2^-80 lost over a 64-token chunk, so those chunks take the blocked path."""
+    2^-80..2^-160 lost over a 64-token chunk (past an anchor at the chunk's start, within the
+    midpoint anchor's reach: gla_scores)."""
     if kind == "seed":
         return F.logsigmoid(torch.randn(shape, device=device, generator=gen)) / 16
+    if kind == "steep":       # the issue's steep gates: logsigmoid(N(0,1)) on every channel
+        return F.logsigmoid(torch.randn(shape, device=device, generator=gen))
     if kind == "trained":
         strong = torch.rand(shape[-1], device=device, generator=gen) < 0.4
         fast = -0.7 - 1.3 * torch.rand(shape, device=device, generator=gen)
@@ -283,8 +287,15 @@ def _import_fla(fla_dir):
     return fla_gla, pkg.__version__
 
 
-def fla_worker(spec, quick):
-    """Runs in the subprocess: times fla's GLA at every shape, prints one JSON line.
+def with_gates(shape_list, kinds):
+    """Every shape once per gate regime (named with the regime unless it is seed)."""
+    return [dict(base, gates=kind, name=base["name"] + ("" if kind == "seed" else f" [{kind}]"))
+            for base in shape_list for kind in kinds]
+
+
+def fla_worker(spec, quick, kinds=("seed",), match=None):
+    """Runs in the subprocess: times fla's GLA at every shape and gate regime (those whose
+    name contains one of `match`, if given), prints one JSON line per shape.
     spec = DIR or DIR:FUNCTION (default chunk_gla, else fused_chunk_gla)."""
     import inspect
     fla_dir, _, label = spec.partition(":")
@@ -298,8 +309,10 @@ def fla_worker(spec, quick):
     extra = {"head_first": True} if head_first else {}
     device = "cpu" if DRY_RUN else "cuda"
     results = {}
-    for s in shapes(quick):
+    for s in with_gates(shapes(quick), kinds):
         key = s["name"]
+        if match and not any(m in key for m in match):
+            continue
         if (s["Hkv"] != s["H"] or s.get("norm")
                 or (s["seqs"] is not None and (head_first or "cu_seqlens" not in params))):
             results[key] = None
@@ -334,8 +347,11 @@ def fla_worker(spec, quick):
               flush=True)
 
 
-def run_fla(fla_dir, quick):
-    cmd = [sys.executable, os.path.abspath(__file__), "--_fla-worker", fla_dir]
+def run_fla(fla_dir, quick, kinds=("seed",), match=None):
+    cmd = [sys.executable, os.path.abspath(__file__), "--_fla-worker", fla_dir,
+           "--gates", ",".join(kinds)]
+    for m in match or []:
+        cmd += ["--match", m]
     fla_dir = fla_dir.partition(":")[0]
     if quick:
         cmd.append("--quick")
@@ -431,7 +447,8 @@ def main(argv=None):
                     help="only the shapes whose name contains TEXT (repeatable)")
     ap.add_argument("--gates", default="seed",
                     help="comma-separated gate regimes, each a set of rows: seed (weak decays, the "
-                         "seed benchmark's) and/or trained (strong channels, as distillation learns)")
+                         "seed benchmark's), trained (strong channels, as distillation learns) "
+                         "and/or steep (logsigmoid(N(0,1)) everywhere)")
     ap.add_argument("--_fla-worker", dest="fla_worker", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     global DRY_RUN, FLA_TIMEOUT
@@ -445,8 +462,9 @@ def main(argv=None):
                 json.dump(rows, f, indent=1)
         return 0
 
+    kinds = args.gates.split(",")
     if args.fla_worker:
-        fla_worker(args.fla_worker, args.quick)
+        fla_worker(args.fla_worker, args.quick, kinds, args.match)
         return 0
     device = bench_device(DRY_RUN)
     if device is None:
@@ -458,16 +476,13 @@ def main(argv=None):
     print(f"# {device_name} | torch {torch.__version__} | triton "
           f"{triton.__version__} | overrides {OVERRIDES or '-'}")
 
-    flas = [r for r in (run_fla(spec, args.quick) for spec in args.compare_fla or []) if r]
+    flas = [r for r in (run_fla(spec, args.quick, kinds, args.match) for spec in args.compare_fla or [])
+            if r]
     if not args.compare_fla:
         print("# fla comparison skipped (no --compare-fla DIR given)")
 
-    todo = []
-    for base in shapes(args.quick):
-        for kind in args.gates.split(","):
-            todo.append(dict(base, gates=kind, name=base["name"] + ("" if kind == "seed" else f" [{kind}]")))
     rows = []
-    for s in todo:
+    for s in with_gates(shapes(args.quick), kinds):
         if args.match and not any(m in s["name"] for m in args.match):
             continue
         row = {"shape": s["name"], "floor_fwd_ms": floor_bytes(s, False) / HBM_BYTES_PER_S * 1e3,

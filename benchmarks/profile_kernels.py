@@ -10,6 +10,7 @@ medians of bench_kernels.py.
     python benchmarks/profile_kernels.py --shape 8x2048:32:64 --set BT=128
     python benchmarks/profile_kernels.py --no-sdpa --shape 1x16384:9/3:64x65   # SmolLM2, K != V
     python benchmarks/profile_kernels.py --no-sdpa --shape 8x2048:32:64+norm   # in-kernel normaliser
+    python benchmarks/profile_kernels.py --no-sdpa --shape 8x2048:16:128 --gates trained   # steep gates
     python benchmarks/profile_kernels.py --ncu              # one iteration per shape, for
         ncu --clock-control none -k regex:_kernel python benchmarks/profile_kernels.py --ncu
 """
@@ -124,6 +125,9 @@ def main(argv=None):
     ap.add_argument("--no-sdpa", action="store_true")
     ap.add_argument("--ncu", action="store_true",
                     help="no profiler: warm up, then one marked iteration per shape (for ncu)")
+    ap.add_argument("--gates", default="seed", choices=("seed", "trained", "steep"),
+                    help="weak gates (seed), what distillation learns (trained: 40%% steep channels) "
+                         "or logsigmoid(N(0,1)) (steep)")
     ap.add_argument("--json", metavar="PATH")
     args = ap.parse_args(argv)
     _, gla_triton = bench_kernels._import_kernels()
@@ -131,7 +135,7 @@ def main(argv=None):
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]
     results = {}
     for text in args.shape or DEFAULT_SHAPES:
-        s = parse_shape(text)
+        s = dict(parse_shape(text), gates=args.gates)
         run = glaswap_fn(s, gla_triton, dtype)
         if args.ncu:
             for _ in range(2):
@@ -143,7 +147,7 @@ def main(argv=None):
             torch.cuda.nvtx.range_pop()
             continue
         res = {"glaswap": profile(run, args.iters)}
-        g_total = show(f"glaswap {text} {bench_kernels.OVERRIDES or ''}", res["glaswap"])
+        g_total = show(f"glaswap {text} [{args.gates} gates] {bench_kernels.OVERRIDES or ''}", res["glaswap"])
         if not args.no_sdpa and s["K"] == s["V"] and not s["norm"]:
             res["sdpa"] = profile(sdpa_fn(s), args.iters)
             s_total = show(f"sdpa flash {text}", res["sdpa"])

@@ -20,7 +20,8 @@ try:
 except ImportError:
     raise
 
-from .gla_scores import _SAFE, _dqk_slow, _excl_cumsum, _gates, _kept_gates, _score_tile, _scores_slow
+from .gla_scores import (_anchor, _dqk_slow, _excl_cumsum, _gates, _is_fast, _kept_gates, _score_tile,
+                         _scores_slow)
 from .triton_helpers import (_chunk_coords, _load_col, _load_den_grad, _load_rows, _load_state,
                              _mm, _op, _seq_bounds, _store_rows)
 
@@ -75,13 +76,14 @@ def _bwd_dqkg_kernel(q, k, v, g, do, hbuf, dhbuf, pbuf, gbuf, dq, dk, dg, dv, cu
     # than spilled tiles).
     b_kr = _load_rows(kp, t0, n_valid, Hkv * K, k0, K, BT, BK)
     G, G_last = _kept_gates(gbuf + i_h * K, t0, n_valid, Hkv * K, k0, K, BT, BK)
-    fast = tl.max(-G_last, axis=0) < _SAFE
+    a = _anchor(G_last)            # the one-matmul path's factors are 2^{G-a} and 2^{a-G}
+    fast = _is_fast(G_last)
     if PATH > 0:                   # launch 1 takes the one-matmul chunks, launch 2 the
         if fast != (PATH == 1):    # others, each compiled with one path
             return
         fast = PATH == 1
     if fast:
-        k_e = _op(b_kr.to(tl.float32) * tl.exp2(-G), DOT_BF16)     # <= 2^SAFE
+        k_e = _op(b_kr.to(tl.float32) * tl.exp2(a[None, :] - G), DOT_BF16)     # <= 2^SAFE
     else:
         k_e = _op(b_kr, DOT_BF16)                          # unused
     if WITH_DV:
@@ -95,7 +97,7 @@ def _bwd_dqkg_kernel(q, k, v, g, do, hbuf, dhbuf, pbuf, gbuf, dq, dk, dg, dv, cu
     for r in range(R):
         hq = i_h * R + r
         b_qr = _load_rows(q + hq * K, t0, n_valid, H * K, k0, K, BT, BK)
-        q_e = _op(b_qr.to(tl.float32) * tl.exp2(G), DOT_BF16)
+        q_e = _op(b_qr.to(tl.float32) * tl.exp2(G - a[None, :]), DOT_BF16)
         if WITH_DV:
             b_do = _load_rows(do + hq * VO, t0, n_valid, H * VO, 0, V, BT, BV)
             b_h = _load_state(hbuf + st_n, k0, 0, K, V, VS, BK, BV)
@@ -140,8 +142,9 @@ def _bwd_dqkg_kernel(q, k, v, g, do, hbuf, dhbuf, pbuf, gbuf, dq, dk, dg, dv, cu
         dP = tl.where(strict, dP, 0.0)
         b_q = b_qr.to(tl.float32)
         if fast:
-            b_dq = (dq_h * scale + _mm(dP, k_e, DOT_BF16, PREC)) * tl.exp2(G)
-            dk_low = _mm(tl.trans(dP), q_e, DOT_BF16, PREC) * tl.exp2(-G)
+            b_dq = ((dq_h * (tl.exp2(a) * scale)[None, :] + _mm(dP, k_e, DOT_BF16, PREC))
+                    * tl.exp2(G - a[None, :]))
+            dk_low = _mm(tl.trans(dP), q_e, DOT_BF16, PREC) * tl.exp2(a[None, :] - G)
         else:
             dq_s, dk_low = _dqk_slow(dP, b_q, b_kr.to(tl.float32), gp, t0, n_valid, Hkv * K, k0,
                                      K, BT, BK, DOT_BF16, PREC)
@@ -205,11 +208,12 @@ def _bwd_dv_kernel(q, k, g, do, dhbuf, pbuf, gbuf, dv, cu_seqlens, chunk_offsets
     if NK == 1:
         b_k = _load_rows(kp, t0, n_valid, Hkv * K, 0, K, BT, BK).to(tl.float32)
         G, G_last = _kept_gates(gbuf + i_h * K, t0, n_valid, Hkv * K, 0, K, BT, BK)
-        e_q = tl.exp2(G)
-        fast = tl.max(-G_last, axis=0) < _SAFE
+        a = _anchor(G_last)
+        e_q = tl.exp2(G - a[None, :])
+        fast = _is_fast(G_last)
         if fast:
-            k_e = b_k * tl.exp2(-G)
-            k_end = k_e * tl.exp2(G_last)[None, :]
+            k_e = b_k * tl.exp2(a[None, :] - G)
+            k_end = k_e * tl.exp2(G_last - a)[None, :]
         else:
             k_e = b_k                                       # unused
             k_end = b_k * tl.exp2(G_last[None, :] - G)

@@ -16,7 +16,7 @@ try:
 except ImportError:
     raise
 
-from .gla_scores import _SAFE, _gates, _kept_gates, _score_tile, _scores_slow
+from .gla_scores import _anchor, _gates, _is_fast, _kept_gates, _score_tile, _scores_slow
 from .triton_helpers import (_chunk_coords, _load_col, _load_rows, _load_state, _mm, _op,
                              _seq_bounds, _store_den, _store_rows)
 
@@ -66,10 +66,13 @@ def _fwd_output_kernel(q, k, v, g, o, hbuf, pbuf, gbuf, cu_seqlens, chunk_offset
     if NK == 1:
         b_k = _load_rows(kp, t0, n_valid, Hkv * K, 0, K, BT, BK).to(tl.float32)
         G, G_last = _kept_gates(gbuf + i_h * K, t0, n_valid, Hkv * K, 0, K, BT, BK)
-        e_q = tl.exp2(G)
-        fast = tl.max(-G_last, axis=0) < _SAFE
+        # q 2^{G-a} serves the scores and, with 2^a moved onto the state's rows, q 2^G h
+        a = _anchor(G_last)
+        e_q = tl.exp2(G - a[None, :])
+        e_a = tl.exp2(a)
+        fast = _is_fast(G_last)
         if fast:
-            k_e = _op(b_k * tl.exp2(-G), DOT_BF16)
+            k_e = _op(b_k * tl.exp2(a[None, :] - G), DOT_BF16)
         else:
             k_e = _op(b_k, DOT_BF16)                        # unused
         for r in range(R):
@@ -86,11 +89,11 @@ def _fwd_output_kernel(q, k, v, g, o, hbuf, pbuf, gbuf, cu_seqlens, chunk_offset
                 _store_rows(pbuf + hq * BT, P * scale, t0, n_valid, H * BT, 0, BT, BT, BT)
             if NORM:
                 z = _load_col(hp, 0, K, V, VS, BK)
-                den = tl.sum(P, axis=1) + tl.sum(b_q * e_q * z[None, :], axis=1)
+                den = tl.sum(P, axis=1) + tl.sum(b_q * e_q * (z * e_a)[None, :], axis=1)
                 _store_den(o + hq * VO, den * scale, t0, n_valid, H * VO, V, BT)
             for i_v in range(NV):
                 b_v = _load_rows(vp, t0, n_valid, Hkv * V, i_v * BV, V, BT, BV)
-                b_hs = _load_state(hp, 0, i_v * BV, K, V, VS, BK, BV)
+                b_hs = _load_state(hp, 0, i_v * BV, K, V, VS, BK, BV) * e_a[:, None]
                 acc = _mm(P, b_v, DOT_BF16, PREC) + _mm(q_e, b_hs, DOT_BF16, PREC)
                 _store_rows(o + hq * VO, acc * scale, t0, n_valid, H * VO, i_v * BV, V, BT, BV)
     else:

@@ -230,8 +230,8 @@ class _Config:
         # one-matmul launch then compiles without the exact path's spills). Slower at D64.
         self.keep_p = self.one_pass_g = self.split_g = int(bf16 and K > 64)
 
-        # Chunks of 32 when the state is narrow: trained gates then mostly stay on the
-        # one-matmul path (32 steps factorise down to ~0.18 kept a step, 64 only to ~0.42).
+        # Chunks of 32 when the state is narrow: more gates stay on the one-matmul path (32
+        # steps factorise down to ~0.03 kept a step, 64 only to ~0.18).
         if chunk is None and BT == 64 and V <= 64 and K <= 128:
             self.BT = 32
             if bf16 and K <= 64:

@@ -5,10 +5,12 @@ For a chunk of BT tokens, G = the in-chunk cumulative sum of the log-decays g, i
 
     P_ij = sum_k q_ik k_jk 2^{G_ik - G_jk}      (j <= i)
 
-P is one tensor-core matmul of (q 2^G)(k 2^-G)^T when the chunk's total decay stays below
-_SAFE (every factor then fits the fp32/bf16 exponent range). A chunk that decays more ("slow
-path", strong or trained gates) is built in 16-row blocks, each factorised around its own
-first row, and a block still too steep row by row with every exponent clamped to <= 0.
+P is one tensor-core matmul of (q 2^{G-a})(k 2^{a-G})^T, anchored at the midpoint a = G_last / 2
+of each channel's in-chunk decay, when the chunk's total decay stays below _FAST = 2 _SAFE:
+every factor is then within 2^-SAFE..2^SAFE, so the one-matmul path covers twice the decay
+that an anchor at the chunk's start would. A chunk that decays more ("slow path", steep
+gates) is built in 16-row blocks, each factorised around its own first row, and a block still
+too steep row by row with every exponent clamped to <= 0.
 """
 
 from __future__ import annotations
@@ -26,6 +28,25 @@ _LOG2E = tl.constexpr(1.4426950408889634)
 # are used: q*2^G and k*2^-G then stay within 2^-80..2^80, and even the masked upper-triangle
 # products (at most 2^80 |q||k| K) stay far below the fp32/bf16 limit of 2^128.
 _SAFE = tl.constexpr(80.0)
+# Largest total in-chunk decay (log2) of the one-matmul path: with the midpoint anchor each
+# factor spans half of it. Entries above the diagonal (j > i) then reach up to 2^FAST |q||k|
+# and may overflow to inf; every caller masks them out with tl.where before any other use.
+_FAST = tl.constexpr(160.0)
+
+
+@triton.jit
+def _anchor(G_last):
+    """The per-channel anchor of the factorised scores [BK]: the midpoint of the chunk's
+    decay on the one-matmul path, rounded down to an integer so that scaling by 2^a is exact,
+    and floored at -SAFE so that 2^{G-a} (<= 2^SAFE) and 2^a (>= 2^-SAFE) stay finite on
+    the other paths too (q 2^G = (q 2^{G-a}) 2^a in every path)."""
+    return tl.maximum(tl.floor(0.5 * G_last), -_SAFE)
+
+
+@triton.jit
+def _is_fast(G_last):
+    """Whether a tile's chunk takes the one-matmul path (a scalar, uniform in the program)."""
+    return tl.max(-G_last, axis=0) < _FAST
 
 
 @triton.jit
@@ -190,13 +211,15 @@ def _dqk_slow(dP, b_q, b_k, gp, t0, n_valid, stride_t, c0, K: tl.constexpr,
 def _score_tile(qp, kp, gp, t0, n_valid, k0, H: tl.constexpr, Hkv: tl.constexpr,
                 K: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, DOT_BF16: tl.constexpr,
                 PREC: tl.constexpr):
-    """One K tile's share of the (unmasked) scores P, factorised on tensor cores when the
-    tile's decay allows it, else in blocks (_scores_slow); also returns the tile's q and G."""
+    """One K tile's share of the scores P (entries above the diagonal are garbage for the
+    caller to mask), factorised on tensor cores around the midpoint anchor when the tile's
+    decay allows it, else in blocks (_scores_slow); also returns the tile's q and G."""
     b_q = _load_rows(qp, t0, n_valid, H * K, k0, K, BT, BK).to(tl.float32)
     b_k = _load_rows(kp, t0, n_valid, Hkv * K, k0, K, BT, BK).to(tl.float32)
     G, G_last = _gates(gp, t0, n_valid, Hkv * K, k0, K, BT, BK)
-    if tl.max(-G_last, axis=0) < _SAFE:
-        p = _mm(b_q * tl.exp2(G), tl.trans(b_k * tl.exp2(-G)), DOT_BF16, PREC)
+    if _is_fast(G_last):
+        a = _anchor(G_last)[None, :]
+        p = _mm(b_q * tl.exp2(G - a), tl.trans(b_k * tl.exp2(a - G)), DOT_BF16, PREC)
     else:
         p = _scores_slow(b_q, b_k, gp, t0, n_valid, Hkv * K, k0, K, BT, BK, DOT_BF16, PREC)
     return p, b_q, G

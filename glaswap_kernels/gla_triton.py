@@ -11,12 +11,13 @@ Math per chunk of C tokens with start state h (K x V), G = in-chunk cumulative s
 kernels):
     o_i    = s * (q_i e^{G_i}) h + s * sum_{j<=i} P_ij v_j,  P_ij = sum_k q_ik k_jk e^{G_ik - G_jk}
     h_next = e^{G_last} h + sum_j (k_j e^{G_last - G_j})^T v_j
-P is one tensor-core matmul of (q e^G)(k e^-G)^T when the chunk's total decay is below SAFE
-(every factor then fits the fp32/bf16 exponent range); otherwise ("slow path", strong decays)
-it is built in 16-row blocks, each factorised around its own first row, and a block still too
-steep row by row with every exponent clamped to <= 0 (see gla_scores._scores_slow). The choice
-is made per program and per K tile, so it is uniform inside a program. C is 32 where the state
-is narrow (V <= 64, K <= 128) so that trained gates mostly stay on the one-matmul path, else 64.
+P is one tensor-core matmul of (q e^{G-a})(k e^{a-G})^T, anchored at the midpoint a of each
+channel's in-chunk decay, when the chunk's total decay is below FAST (each factor then spans
+half of it and fits the fp32/bf16 exponent range); otherwise ("slow path", steep decays) it is
+built in 16-row blocks, each factorised around its own first row, and a block still too
+steep row by row with every exponent clamped to <= 0 (see gla_scores). The choice is made per
+program and per K tile, so it is uniform inside a program. C is 32 where the state is narrow
+(V <= 64, K <= 128), else 64.
 
 Kernels (grid in brackets; N = sequences, NT = chunks of a sequence, NTtot = all chunks,
 S = segments of all sequences), by file:

@@ -61,20 +61,27 @@ def test_gpu_bf16_keep_p_at_d64():
 @gpu_only
 def test_gpu_bf16_slow_paths():
     # the blocked slow path at real size: 8x2048 H32 D64 with weak gates is where a matmul
-    # under a runtime branch in a loop once hit an illegal memory access in dq/dk/dg
+    # under a runtime branch in a loop once hit an illegal memory access in dq/dk/dg. Trained
+    # gates take the midpoint-anchored matmul, steep ones at D128 (chunks of 64) the blocked
+    # path, at D64 (chunks of 32) the midpoint one again
     gpu_compare(B=8, T=2048, H=32, Hkv=32, K=64, V=64)
     gpu_compare(B=2, T=2048, H=32, Hkv=32, K=64, V=64, trained=True)
     gpu_compare(B=2, T=2048, H=16, Hkv=4, K=128, V=64, trained=True)
+    gpu_compare(B=2, T=2048, H=16, Hkv=16, K=128, V=128, trained=True)
+    gpu_compare(B=2, T=2048, H=16, Hkv=16, K=128, V=128, steep=True)
+    gpu_compare(B=2, T=2048, H=32, Hkv=32, K=64, V=64, steep=True)
 
 
 @gpu
 @gpu_only
 def test_gpu_bf16_chunk64_trained():
-    # the default picks chunks of 32 at these widths; chunks of 64 send more of the
-    # trained gates down the blocked slow path, checked here
+    # the default picks chunks of 32 at these widths; at 64 trained gates take the midpoint
+    # matmul and steep ones the blocked path, both checked here
     ov = {"BT": 64}
     gpu_compare(B=2, T=2048, H=32, Hkv=32, K=64, V=64, trained=True, overrides=ov)
     gpu_compare(B=2, T=2048, H=16, Hkv=4, K=128, V=64, trained=True, normalizer=True, overrides=ov)
+    gpu_compare(B=2, T=2048, H=32, Hkv=32, K=64, V=64, steep=True, overrides=ov)
+    gpu_compare(B=2, T=2048, H=16, Hkv=4, K=128, V=64, steep=True, normalizer=True, overrides=ov)
 
 
 @gpu

@@ -8,6 +8,7 @@ starts as NaN. test_gla_gpu.py repeats the checks at real sizes on a GPU.
 """
 
 import collections
+import math
 
 import pytest
 import torch
@@ -68,6 +69,24 @@ def test_learned_strong_decays(gate, dtype):
     # their own first row (trained), some blocks row by row (bursty), every block row by
     # row (strong); GQA
     run_and_compare(B=1, T=150, H=4, Hkv=2, K=32, V=32, gate=gate, dtype=dtype)
+
+
+@needs_kernels
+@pytest.mark.parametrize("gate,chunk,path", [("trained", 64, "midpoint"), ("steep", 32, "midpoint"),
+                                             ("steep", 64, "blocked")])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_decay_paths(gate, chunk, path, dtype):
+    # the one-matmul path factorises around each channel's midpoint: chunks whose decay is past
+    # an anchor at the chunk's start (2^-80) but within 2^-160 take it; steeper ones the blocked
+    # path. Checked on data that lands in each regime.
+    T = 2 * chunk
+    (_, _, _, g), *_ = make_inputs(1, T, 4, 2, 32, 32, gate)
+    total = (-g).reshape(1, 2, chunk, 2, 32).sum(2).amax(-1) / math.log(2)  # [1, chunks, Hkv], log2
+    if path == "midpoint":
+        assert (total > 80).all() and (total < 160).all(), total
+    else:
+        assert (total > 160).all(), total
+    run_and_compare(B=1, T=T, H=4, Hkv=2, K=32, V=32, gate=gate, dtype=dtype, chunk=chunk)
 
 
 @needs_kernels
