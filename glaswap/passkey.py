@@ -124,6 +124,22 @@ def passkey(model_dir, lengths=(1024, 2048, 4096, 8192, 16384, 32768), depths=(0
     roles = ["student"] + (["teacher"] if teacher is not None else [])
     cells = []
     started = time.time()
+    try:
+        _run_cells(cells, student, teacher_model, tok, keys, lengths, depths, roles, dev, started, log)
+    except KeyboardInterrupt:
+        if not cells:
+            raise
+        log(f"interrupted: keeping the {len(cells)} of {len(lengths) * len(depths)} cells measured")
+        _write_passkey(_result(model_dir, t_desc, lengths, depths, trials, seed, dev, dt, cells, started, False),
+                       model_dir, out, log)
+        raise
+    return _write_passkey(_result(model_dir, t_desc, lengths, depths, trials, seed, dev, dt, cells, started, True),
+                          model_dir, out, log)
+
+
+def _run_cells(cells, student, teacher_model, tok, keys, lengths, depths, roles, dev, started, log):
+    """Appends one finished cell (length, depth) after another to `cells`."""
+    teacher = "teacher" in roles
     for L in lengths:
         for d in depths:
             cell = {"length": L, "depth": d, "keys": keys[(L, d)]}
@@ -131,7 +147,7 @@ def passkey(model_dir, lengths=(1024, 2048, 4096, 8192, 16384, 32768), depths=(0
             for key in keys[(L, d)]:
                 ids = build_prompt(tok, L, d, key)
                 answers["student"].append(tok.decode(greedy_answer(student, ids, dev)))
-                if teacher is not None:
+                if teacher:
                     if teacher_model is None:
                         with student.attention_mode("softmax"):
                             new = _greedy_no_cache(student, ids, dev)
@@ -145,9 +161,18 @@ def passkey(model_dir, lengths=(1024, 2048, 4096, 8192, 16384, 32768), depths=(0
             cells.append(cell)
             log(f"length {L} depth {d:g}: " + ", ".join(f"{r} {cell[r]['accuracy']:.2f}" for r in roles)
                 + f"  ({time.time() - started:.0f}s)")
-    result = {"model": str(model_dir), "teacher": t_desc, "lengths": list(lengths), "depths": list(depths),
-              "trials": trials, "seed": seed, "device": str(dev), "dtype": str(dt).replace("torch.", ""),
-              "cells": cells, "seconds": round(time.time() - started, 2), "versions": versions()}
+
+
+def _result(model_dir, t_desc, lengths, depths, trials, seed, dev, dt, cells, started, complete: bool) -> dict:
+    """The JSON record; `complete` is False for a run stopped early (the cells it finished)."""
+    return {"model": str(model_dir), "teacher": t_desc, "lengths": list(lengths), "depths": list(depths),
+            "trials": trials, "seed": seed, "device": str(dev), "dtype": str(dt).replace("torch.", ""),
+            "cells": cells, "complete": complete, "seconds": round(time.time() - started, 2),
+            "versions": versions()}
+
+
+def _write_passkey(result: dict, model_dir: Path, out, log) -> dict:
+    """passkey.json and passkey.png (atomically) and the table on the log."""
     out = Path(out) if out is not None else model_dir / "eval"
     has_plot = importlib.util.find_spec("matplotlib") is not None
     try:
@@ -163,9 +188,17 @@ def passkey(model_dir, lengths=(1024, 2048, 4096, 8192, 16384, 32768), depths=(0
 
 
 def accuracy_grid(result: dict, role: str) -> np.ndarray:
-    """[lengths, depths] accuracy of one role."""
+    """[lengths, depths] accuracy of one role (NaN where an interrupted run has no cell)."""
     at = {(c["length"], c["depth"]): c[role]["accuracy"] for c in result["cells"]}
-    return np.array([[at[(L, d)] for d in result["depths"]] for L in result["lengths"]])
+    return np.array([[at.get((L, d), np.nan) for d in result["depths"]] for L in result["lengths"]])
+
+
+def _fmt_accuracy(x) -> str:
+    return "-" if np.isnan(x) else f"{x:.2f}"
+
+
+def _row_mean(row: np.ndarray) -> float:
+    return float(np.mean(row[~np.isnan(row)])) if (~np.isnan(row)).any() else float("nan")
 
 
 def format_passkey(result: dict) -> str:
@@ -174,12 +207,13 @@ def format_passkey(result: dict) -> str:
     head = ["length"] + [f"depth {d:g}" for d in result["depths"]] + ["mean"]
     rows = [head]
     for i, L in enumerate(result["lengths"]):
-        cells = ["/".join(f"{grids[r][i, j]:.2f}" for r in roles) for j in range(len(result["depths"]))]
-        rows.append([str(L)] + cells + ["/".join(f"{grids[r][i].mean():.2f}" for r in roles)])
+        cells = ["/".join(_fmt_accuracy(grids[r][i, j]) for r in roles) for j in range(len(result["depths"]))]
+        rows.append([str(L)] + cells + ["/".join(_fmt_accuracy(_row_mean(grids[r][i])) for r in roles)])
     widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
     lines = ["  ".join(c.rjust(w) for c, w in zip(r, widths)) for r in rows]
     lines.insert(1, "-" * len(lines[0]))
-    lines.append(f"passkey accuracy ({' / '.join(roles)}), {result['trials']} keys per cell, greedy")
+    lines.append(f"passkey accuracy ({' / '.join(roles)}), {result['trials']} keys per cell, greedy"
+                 + ("" if result.get("complete", True) else "; interrupted, - = not measured"))
     return "\n".join(lines)
 
 
@@ -201,8 +235,8 @@ def plot_passkey(result: dict, path: Path):
         ax.set_title(f"{'GLA model' if role == 'student' else 'teacher'}: passkey accuracy", fontsize=10)
         for i in range(grid.shape[0]):
             for j in range(grid.shape[1]):
-                ax.text(j, i, f"{grid[i, j]:.2f}", ha="center", va="center",
-                        color="white" if grid[i, j] < 0.5 else "black", fontsize=8)
+                ax.text(j, i, _fmt_accuracy(grid[i, j]), ha="center", va="center",
+                        color="white" if not grid[i, j] >= 0.5 else "black", fontsize=8)
     fig.colorbar(im, ax=axes[0].tolist(), shrink=0.8)
     fig.savefig(path, format="png")
     plt.close(fig)

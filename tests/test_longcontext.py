@@ -155,6 +155,31 @@ def test_cli_passkey_writes_table_json_and_heatmap(folder, tmp_path):
     assert json.loads((tmp_path / "q" / "passkey.json").read_text())["cells"][0]["keys"] == res["cells"][0]["keys"]
 
 
+def test_cli_passkey_interrupted_keeps_the_cells_it_finished(folder, tmp_path, monkeypatch):
+    import glaswap.passkey as P
+
+    calls = []
+    real = P.greedy_answer
+
+    def answer_then_stop(*args, **kwargs):      # Ctrl-C during the third cell
+        calls.append(1)
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(P, "greedy_answer", answer_then_stop)
+    r = CliRunner().invoke(main, ["passkey", str(folder), "--lengths", "200,300", "--depths", "0,1", "--trials", "1",
+                                  "--no-teacher", "--out", str(tmp_path / "p")])
+    assert r.exit_code == 130 and "interrupted" in r.output, r.output
+    res = json.loads((tmp_path / "p" / "passkey.json").read_text())
+    assert res["complete"] is False
+    assert [(c["length"], c["depth"]) for c in res["cells"]] == [(200, 0.0), (200, 1.0)]
+    assert (tmp_path / "p" / "passkey.png").read_bytes()[:4] == b"\x89PNG"
+    grid = accuracy_grid(res, "student")
+    assert np.isnan(grid[1]).all() and not np.isnan(grid[0]).any()
+    assert "-" in format_passkey(res).splitlines()[3]          # the row of 300 tokens, not measured
+
+
 def test_passkey_student_answers_match_a_plain_greedy_loop(folder):
     """The chunked recurrent prefill answers as one full forward per step would."""
     from glaswap.passkey import _greedy_no_cache, greedy_answer
