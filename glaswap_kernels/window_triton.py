@@ -366,9 +366,10 @@ def _sink_rows(dks, cu_seqlens, B, T, S, dtype):
         start = cu[:-1]
         ok = j[None, :] < (cu[1:] - cu[:-1])[:, None]
     rows = torch.where(ok, start[:, None] + j, B * T)              # row B * T: a discard row
-    out = torch.zeros(B * T + 1, Hkv, D, dtype=torch.float32, device=dks.device)
-    out.index_copy_(0, rows.reshape(-1), dks.transpose(1, 2).reshape(N * S, Hkv, D))
-    return out[:B * T].view(B, T, Hkv, D).to(dtype)
+    # built in k's dtype: only the S rows a document are converted, not all B * T
+    out = torch.zeros(B * T + 1, Hkv, D, dtype=dtype, device=dks.device)
+    out.index_copy_(0, rows.reshape(-1), dks.transpose(1, 2).reshape(N * S, Hkv, D).to(dtype))
+    return out[:B * T].view(B, T, Hkv, D)
 
 
 def fused_window_attention(q, k, v, window, sinks=0, scale=None, cu_seqlens=None, q_sink=None, k_sink=None,
