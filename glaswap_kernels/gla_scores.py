@@ -5,7 +5,7 @@ For a chunk of BT tokens, G = the in-chunk cumulative sum of the log-decays g, i
 
     P_ij = sum_k q_ik k_jk 2^{G_ik - G_jk}      (j <= i)
 
-P is one tensor-core matmul of (q 2^{G-a})(k 2^{a-G})^T, anchored at the midpoint a = G_last / 2
+P is one tensor-core matmul of (q 2^{G-a})(k 2^{a-G})^T, anchored at the midpoint a ~ G_last / 2
 of each channel's in-chunk decay, when the chunk's total decay stays below _FAST = 2 _SAFE:
 every factor is then within 2^-SAFE..2^SAFE, so the one-matmul path covers twice the decay
 that an anchor at the chunk's start would. A chunk that decays more ("slow path", steep
@@ -24,13 +24,13 @@ except ImportError:
 from .triton_helpers import _load_rows, _mm
 
 _LOG2E = tl.constexpr(1.4426950408889634)
-# Largest total in-chunk decay, in log2 units (2^80 ~ e^55), for which the factorised scores
-# are used: q*2^G and k*2^-G then stay within 2^-80..2^80, and even the masked upper-triangle
-# products (at most 2^80 |q||k| K) stay far below the fp32/bf16 limit of 2^128.
+# Largest exponent, in log2 units (2^80 ~ e^55), that one factor of a factorised score may
+# carry: factors stay within 2^-80..2^80, far inside the fp32/bf16 range of 2^+-126. It bounds
+# the anchor (below) and the decay of a 16-row block on the slow path.
 _SAFE = tl.constexpr(80.0)
-# Largest total in-chunk decay (log2) of the one-matmul path: with the midpoint anchor each
-# factor spans half of it. Entries above the diagonal (j > i) then reach up to 2^FAST |q||k|
-# and may overflow to inf; every caller masks them out with tl.where before any other use.
+# Largest total in-chunk decay (log2) of the one-matmul path, 2 SAFE: with the midpoint anchor
+# each factor spans half of it. Entries above the diagonal (j > i) then reach up to
+# 2^FAST |q||k| and may overflow to inf; every caller masks them out with tl.where first.
 _FAST = tl.constexpr(160.0)
 
 
