@@ -5,7 +5,9 @@ The layer is glaswap's GLAAttention at a Llama-3.2-1B attention shape (hidden 20
 8 KV heads, D 64; hedgehog_pm maps, low-rank gate, normaliser) and at H16 D128 (hidden 2048,
 16 heads, 8 KV heads); gradients reach every parameter and the input, as in stage 2. The table
 gives median ms and the ratios the hybrid-layer issue sets: hybrid / pure GLA (target <= 1.25)
-and teacher / hybrid (target >= 1.5 at T = 2048).
+and teacher / hybrid (target >= 1.5 at T = 2048). On CUDA each row also gives the GPU's own
+time, the sum of the kernels of one forward+backward (torch profiler): one layer alone can be
+bound by the host's launches, which a whole model's step hides when the GPU is the bottleneck.
 
     python benchmarks/bench_hybrid_layer.py
     python benchmarks/bench_hybrid_layer.py --windows 64 --sinks 4 --json out.json
@@ -58,16 +60,18 @@ def time_layer(s, options, mode, device, dtype, profile=False):
     def fwd_bwd():
         out, _ = attn(x, position_embeddings=(cos, sin))
         out.backward(do)
-    if profile:   # GPU time per op of a few forward+backward passes
-        from torch.profiler import ProfilerActivity, profile as torch_profile
-        for _ in range(3):
+    wall = bench_kernels.bench(fwd_bwd, quick=True)
+    if device != "cuda":
+        return wall, float("nan")
+    from torch.profiler import ProfilerActivity, profile as torch_profile
+    with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(5):
             fwd_bwd()
-        with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
-            for _ in range(5):
-                fwd_bwd()
-            torch.cuda.synchronize()
+        torch.cuda.synchronize()
+    if profile:   # GPU time per op
         print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=25))
-    return bench_kernels.bench(fwd_bwd, quick=True)
+    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    return wall, sum(e.device_time_total for e in kernels) / 1e3 / 5
 
 
 def main(argv=None):
@@ -92,17 +96,21 @@ def main(argv=None):
     for s in shapes(args.dry_run):
         if args.shapes and s["name"] not in args.shapes.split(","):
             continue
-        gla = time_layer(s, {}, "gla", device, dtype, args.profile and device == "cuda")
-        teacher = time_layer(s, {}, "softmax", device, dtype)
-        print(f"{s['name']}: pure GLA {gla:.3f} ms, teacher softmax (SDPA) {teacher:.3f} ms")
+        gla, gla_gpu = time_layer(s, {}, "gla", device, dtype, args.profile and device == "cuda")
+        teacher, teacher_gpu = time_layer(s, {}, "softmax", device, dtype)
+        print(f"{s['name']}: pure GLA {gla:.3f} ms (GPU {gla_gpu:.3f}), teacher softmax (SDPA) {teacher:.3f} ms "
+              f"(GPU {teacher_gpu:.3f})")
+        print(f"  {'variant':<18} {'ms':>8} {'GPU ms':>8}   hybrid/GLA (GPU)   teacher/hybrid (GPU)")
         for w, sk, mix in variants:
-            ms = time_layer(s, {"window": w, "sinks": sk, "window_mix": mix}, "gla", device, dtype,
-                            args.profile and device == "cuda")
+            ms, gpu = time_layer(s, {"window": w, "sinks": sk, "window_mix": mix}, "gla", device, dtype,
+                                 args.profile and device == "cuda")
             row = dict(shape=s["name"], window=w, sinks=sk, mix=mix, ms=ms, gla_ms=gla, teacher_ms=teacher,
-                       hybrid_over_gla=ms / gla, teacher_over_hybrid=teacher / ms)
+                       hybrid_over_gla=ms / gla, teacher_over_hybrid=teacher / ms, gpu_ms=gpu, gla_gpu_ms=gla_gpu,
+                       teacher_gpu_ms=teacher_gpu, hybrid_over_gla_gpu=gpu / gla_gpu,
+                       teacher_over_hybrid_gpu=teacher_gpu / gpu)
             rows.append(row)
-            print(f"  W{w:<4} S{sk} {mix:<8} {ms:8.3f} ms   hybrid/GLA {ms / gla:5.2f}   teacher/hybrid "
-                  f"{teacher / ms:5.2f}", flush=True)
+            print(f"  W{w:<4} S{sk} {mix:<8} {ms:8.3f} {gpu:8.3f}   {ms / gla:5.2f} ({gpu / gla_gpu:4.2f})"
+                  f"        {teacher / ms:5.2f} ({teacher_gpu / gpu:4.2f})", flush=True)
     if args.json:
         with open(args.json + ".tmp", "w") as fh:
             json.dump(rows, fh, indent=1)

@@ -8,6 +8,9 @@ GLA options and LoRA targets), packs documents of random lengths (exponential, m
   stage1   teacher pass with every layer's GLA scored against its softmax output (MSE),
            backward, AdamW on the new parameters
   stage2   teacher forward + student forward/backward + chunked KL + AdamW (LoRA + new)
+  teacher  stage 2's teacher forward alone (softmax mode, no grad): flash varlen attention
+           per document where torch has it; with --teacher-mask also `teacher_mask`, the
+           same forward through SDPA with the block-diagonal causal mask
 Then it profiles a few steps of each and prints how busy the GPU was: kernel time / wall
 time. A step far below 100% is bound by the host (Python, launches, syncs).
 
@@ -100,6 +103,23 @@ def stage2_step(lm, params, opt, batch):
     lm.zero_grad(set_to_none=True)
 
 
+def teacher_forward(lm, batch, mask=False):
+    """Stage 2's teacher part: hidden states with adapters off, softmax attention, no grad;
+    mask=True takes SDPA with a [T, T] mask instead of the varlen kernel."""
+    from glaswap.distill.student import adapters_off
+    from glaswap.layers import gla_attention
+
+    usable = gla_attention._varlen_ok
+    if mask:
+        gla_attention._varlen_ok = lambda *a: False
+    try:
+        with torch.no_grad(), adapters_off(lm), lm.attention_mode("softmax"), \
+                torch.autocast("cuda", dtype=torch.bfloat16):
+            lm.model(input_ids=batch["input_ids"], cu_seqlens=batch["cu_seqlens"], use_cache=False)
+    finally:
+        gla_attention._varlen_ok = usable
+
+
 def busy_fraction(fn, iters=3, top=0):
     """Kernel time over wall time for `iters` runs of fn (one stream: kernels do not overlap);
     with `top`, also prints the kernels with the most device time per step."""
@@ -141,6 +161,8 @@ def main():
                     help="start this fraction of every layer's gate channels at a decay of 0.3 a "
                          "step, as trained gates end up (the kernels' slow path); the default "
                          "starts every channel at the recipe's gate_init_decay")
+    ap.add_argument("--teacher-mask", action="store_true",
+                    help="also time the teacher forward with SDPA and a mask (step teacher_mask)")
     ap.add_argument("--reps", type=int, default=8)
     ap.add_argument("--no-profile", action="store_true")
     ap.add_argument("--json")
@@ -165,7 +187,10 @@ def main():
         batch = packed_batch(B, T, bench_distill.SHAPES[args.shape]["vocab_size"], args.doc_mean)
     n_docs = B if batch["cu_seqlens"] is None else batch["cu_seqlens"].numel() - 1
     steps = {"stage1": lambda: stage1_step(lm, p1, opt1, batch),
-             "stage2": lambda: stage2_step(lm, p2, opt2, batch)}
+             "stage2": lambda: stage2_step(lm, p2, opt2, batch),
+             "teacher": lambda: teacher_forward(lm, batch)}
+    if args.teacher_mask:
+        steps["teacher_mask"] = lambda: teacher_forward(lm, batch, mask=True)
     times = bench_distill.measure(steps, args.reps)
     rows = []
     for name, (ms, peak) in times.items():
@@ -178,9 +203,9 @@ def main():
         print(json.dumps(rows[-1]), flush=True)
     print(f"\n{args.shape} {B}x{T}, {n_docs} documents, "
           f"options {options or 'default'}, LoRA on {args.lora_targets}, strong gates {args.strong_gates}")
-    print(f"{'step':8} {'ms':>8} {'tok/s':>9} {'GiB':>6} {'GPU busy':>9}")
+    print(f"{'step':12} {'ms':>8} {'tok/s':>9} {'GiB':>6} {'GPU busy':>9}")
     for r in rows:
-        print(f"{r['step']:8} {r['ms']:8.1f} {r['tok_s']:9,.0f} {r['peak_gib']:6.1f} {100 * r['gpu_busy']:8.0f}%")
+        print(f"{r['step']:12} {r['ms']:8.1f} {r['tok_s']:9,.0f} {r['peak_gib']:6.1f} {100 * r['gpu_busy']:8.0f}%")
     if args.json:
         with open(args.json, "w") as fh:
             json.dump(rows, fh, indent=2)

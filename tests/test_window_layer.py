@@ -243,3 +243,28 @@ def test_exact_part_does_not_depend_on_absolute_position(mix):
         results.append((o[0, -1], lse[0, -1]))
     torch.testing.assert_close(results[0][0], results[1][0], rtol=1e-4, atol=1e-5)
     torch.testing.assert_close(results[0][1], results[1][1], rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_gpu_teacher_on_packed_documents_takes_flash_varlen(arch, monkeypatch):
+    """The teacher (softmax mode, bf16) over packed documents runs torch's flash varlen kernel
+    and gives what SDPA with the block-diagonal causal mask gives."""
+    from glaswap.layers import gla_attention as ga
+
+    _, student = hybrid_student({}, arch=arch, layers=2)
+    student = student.to("cuda", torch.bfloat16)
+    gen = torch.Generator().manual_seed(5)
+    ids = torch.randint(0, 128, (2, 300), generator=gen).cuda()
+    cu = torch.tensor([0, 37, 300, 301, 450, 600], dtype=torch.int32)   # a 1-token document too
+    calls = []
+    real = ga._varlen_causal
+    monkeypatch.setattr(ga, "_varlen_causal", lambda *a, **k: calls.append(1) or real(*a, **k))
+    with torch.no_grad(), student.attention_mode("softmax"):
+        flash = student(ids, cu_seqlens=cu, use_cache=False).logits.float()
+        assert len(calls) == 2
+        monkeypatch.setattr(ga, "_varlen_ok", lambda *a: False)
+        masked = student(ids, cu_seqlens=cu, use_cache=False).logits.float()
+    err = ((flash - masked).norm() / masked.norm()).item()
+    assert err < 1e-2, err

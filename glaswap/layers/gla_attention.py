@@ -12,6 +12,7 @@ public utilities and the GLA ops, never the rest of glaswap.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -260,10 +261,17 @@ class GLAAttention(nn.Module):
                          past_key_values, cu_seqlens, position_ids), None
 
     def _softmax_attention(self, q, k, v, position_embeddings, attention_mask, cu_seqlens):
-        """The teacher's attention from the same weights (SDPA)."""
+        """The teacher's attention from the same weights: SDPA, or flash varlen over packed
+        documents on CUDA."""
         cos, sin = position_embeddings
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         B, T = q.shape[:2]
+        if cu_seqlens is not None and attention_mask is None and _varlen_ok(q, T, self.config.sliding_window):
+            # packed documents: flash attention per document rather than SDPA with a [T, T]
+            # mask, which rules flash out (at 8 x 2048 the masked kernel takes twice as long,
+            # and the mask is built in every layer)
+            o = _varlen_causal(q, k, v, cu_seqlens, T, self.head_dim ** -0.5)
+            return self.o_proj(o.reshape(B, T, -1))
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         R = self.num_heads // self.num_kv_heads
         if R > 1:
@@ -528,6 +536,47 @@ def _logit_for_decay(decay, normalizer):
     """The pre-sigmoid value b with exp(logsigmoid(b) / normalizer) = decay."""
     p = decay ** normalizer
     return math.log(p / (1.0 - p))
+
+
+try:
+    from torch.nn.attention.varlen import varlen_attn as _varlen_attn
+    import inspect as _inspect
+    _VARLEN_ARGS = set(_inspect.signature(_varlen_attn).parameters)
+except (ImportError, AttributeError, TypeError, ValueError):
+    _varlen_attn, _VARLEN_ARGS = None, set()
+
+
+def _varlen_ok(q, T, sliding_window):
+    """Whether torch's flash varlen kernel can take this teacher attention: CUDA, fp16/bf16,
+    an Ampere or newer GPU, head dim a multiple of 8 up to 256, no sliding window in reach."""
+    return (_varlen_attn is not None and q.is_cuda and q.dtype in (torch.float16, torch.bfloat16)
+            and q.shape[-1] % 8 == 0 and q.shape[-1] <= 256 and not (sliding_window and T > sliding_window)
+            and _cuda_major(q.device.index) >= 8)
+
+
+@functools.lru_cache(maxsize=None)
+def _cuda_major(index):
+    return torch.cuda.get_device_capability(index)[0]
+
+
+def _varlen_causal(q, k, v, cu_seqlens, T, scale):
+    """Causal softmax attention inside each document of q, k, v [B, T, heads, D], the
+    documents given by cu_seqlens over the flattened B*T tokens: [B*T, H, D]. max_q = T
+    bounds every document (none crosses a row), so the host never reads cu_seqlens."""
+    B, H, Hkv, D = q.shape[0], q.shape[2], k.shape[2], q.shape[3]
+    q, k, v = (t.reshape(B * T, t.shape[2], D) for t in (q, k, v))
+    extra = {}
+    if Hkv != H:
+        if "enable_gqa" in _VARLEN_ARGS:
+            extra["enable_gqa"] = True
+        else:
+            k, v = k.repeat_interleave(H // Hkv, dim=1), v.repeat_interleave(H // Hkv, dim=1)
+    if "window_size" in _VARLEN_ARGS:
+        extra["window_size"] = (-1, 0)
+    else:
+        extra["is_causal"] = True
+    cu = cu_seqlens.to(device=q.device, dtype=torch.int32)
+    return _varlen_attn(q.contiguous(), k.contiguous(), v.contiguous(), cu, cu, T, T, scale=scale, **extra)
 
 
 def _softmax_mask(B, T, device, attention_mask, cu_seqlens, sliding_window):
