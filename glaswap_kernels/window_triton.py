@@ -19,9 +19,7 @@ Backward, two kernels:
   O(T) query blocks while every other program walks O(W) (one straggler per document).
   Each query block instead adds its share for the S sink keys into a small float32 buffer
   [N, Hkv, S, D] with atomics (S * D values per block and head; the sums of those few
-  values are the only ones whose order varies between runs). The launch option sink_parts
-  writes each share to a slot of its own instead ([blocks, H, S, D]), summed by the host:
-  no atomics, the same order every run.
+  values are the only ones whose order varies between runs).
 - dk/dv (key-major: one program per key block of BN and kv head): the window part, from
   the queries i in [j, j + W) of its keys, for every query head of its group (summing the
   group in registers, so dk and dv need no atomics), plus the sink buffer for the sink keys.
@@ -165,7 +163,7 @@ def _window_bwd_dq_kernel(q, k, v, qs, ks, o, do, lse, dlse, delta, dq, dqs, dks
                           H: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, BD: tl.constexpr,
                           BM: tl.constexpr, BN: tl.constexpr, BS: tl.constexpr,
                           HAS_SINKS: tl.constexpr, SPLIT: tl.constexpr, HAS_DLSE: tl.constexpr,
-                          IS_VARLEN: tl.constexpr, PREC: tl.constexpr, PARTS: tl.constexpr):
+                          IS_VARLEN: tl.constexpr, PREC: tl.constexpr):
     pid, h = tl.program_id(0), tl.program_id(1)
     i_n, t0, bos, n = _doc(pid, cu, indices, T, BM, IS_VARLEN)
     hk = h // (H // HKV)
@@ -199,15 +197,10 @@ def _window_bwd_dq_kernel(q, k, v, qs, ks, o, do, lse, dlse, delta, dq, dqs, dks
             # this block's share of the sink keys' dk and dv (see the header)
             dv_part = tl.dot(tl.trans(p.to(dob.dtype)), dob, input_precision=PREC)
             dk_part = tl.dot(tl.trans(ds.to(qsb.dtype)), qsb, input_precision=PREC) * scale
+            offs = ((i_n * HKV + hk) * S + c)[:, None] * D + dcols
             msk = (c < S)[:, None] & (dcols < D)
-            if PARTS:   # a slot of its own per block and query head, summed on the host
-                offs = ((pid * H + h) * S + c)[:, None] * D + dcols
-                tl.store(dvs + offs, dv_part, mask=msk)
-                tl.store(dks + offs, dk_part, mask=msk)
-            else:
-                offs = ((i_n * HKV + hk) * S + c)[:, None] * D + dcols
-                tl.atomic_add(dvs + offs, dv_part, mask=msk)
-                tl.atomic_add(dks + offs, dk_part, mask=msk)
+            tl.atomic_add(dvs + offs, dv_part, mask=msk)
+            tl.atomic_add(dks + offs, dk_part, mask=msk)
         if SPLIT:
             _store_rows(dqs + h * D, dqsa * scale, bos + t0, n - t0, QS, 0, D, BM, BD)
         else:
@@ -288,9 +281,6 @@ class _Plan:
         self.BS = max(16, min(tile, _next_pow2(S)))
         self.warps = 4 if self.BD <= 64 else 8
         self.stages = 2
-        # the sink keys' dk/dv shares: 0 = atomics into [documents, Hkv, S, D]; 1 = one slot
-        # per query block and head, summed by the host
-        self.sink_parts = 0
         # fp32 inputs get exact fp32 products (tf32 would cost them 3 decimal digits)
         self.prec = "ieee" if dtype == torch.float32 else "tf32"
         for key, value in (overrides or {}).items():
@@ -342,22 +332,16 @@ class _WindowAttention(torch.autograd.Function):
         dqs = _new(q.shape, q.dtype, q.device) if split else dq
         delta = _new((B, T, H), torch.float32, q.device)
         n_docs = B if cu_seqlens is None else cu_seqlens.numel() - 1
-        S1 = max(sinks, 1)
+        # the sink keys' dk and dv from the sink part (accumulated by atomics: zeros)
+        dks = torch.zeros((n_docs, Hkv, max(sinks, 1), D), dtype=torch.float32, device=q.device)
+        dvs = torch.zeros_like(dks)
         common = dict(H=H, HKV=Hkv, D=D, BD=plan.BD, BM=plan.BM, BN=plan.BN,
                       HAS_SINKS=sinks > 0, SPLIT=split, IS_VARLEN=cu_seqlens is not None, PREC=plan.prec,
                       num_warps=plan.warps, num_stages=plan.stages)
         cu, idx, total = _blocks(cu_seqlens, B, T, plan.BM, q.device)
-        parts = bool(plan.sink_parts) and sinks > 0
-        # the sink keys' dk and dv from the sink part: zeros, added to by atomics, or one
-        # zeroed slot per query block and head (blocks before the first sink row write none)
-        shape = (total, H, S1, D) if parts else (n_docs, Hkv, S1, D)
-        dks = torch.zeros(shape, dtype=torch.float32, device=q.device)
-        dvs = torch.zeros_like(dks)
         _window_bwd_dq_kernel[(total, H)](
             q, k, v, qs, ks, o, do, lse, dlse, delta, dq, dqs, dks, dvs, cu, idx, T, scale * LOG2E, scale,
-            window, sinks, BS=plan.BS, HAS_DLSE=dlse is not None, PARTS=parts, **common)
-        if parts:
-            dks, dvs = (_sum_parts(t, idx, n_docs, Hkv) for t in (dks, dvs))
+            window, sinks, BS=plan.BS, HAS_DLSE=dlse is not None, **common)
         cu, idx, total = _blocks(cu_seqlens, B, T, plan.BN, q.device)
         _window_bwd_dkv_kernel[(total, Hkv)](
             q, k, v, do, lse, delta, dk, dv, dks, dvs, cu, idx, T, scale * LOG2E, scale,
@@ -367,17 +351,6 @@ class _WindowAttention(torch.autograd.Function):
         if not split:   # no sink part (sinks = 0): q_sink and k_sink take no gradient
             return dq, dk, dv, None, None, None, None, None, torch.zeros_like(q), torch.zeros_like(k)
         return dq, dk, dv, None, None, None, None, None, dqs, _sink_rows(dks, cu_seqlens, B, T, sinks, k.dtype)
-
-
-def _sum_parts(part, indices, n_docs, Hkv):
-    """Per-block sink shares [blocks, H, S, D] summed per document and KV head: [documents,
-    Hkv, S, D]. Blocks are in document order, each document's alike without packing."""
-    total, H, S, D = part.shape
-    part = part.view(total, Hkv, H // Hkv, S, D).sum(2)
-    if indices is None:
-        return part.view(n_docs, total // n_docs, Hkv, S, D).sum(1)
-    out = part.new_zeros(n_docs, Hkv, S, D)
-    return out.index_add_(0, indices[:, 0].long(), part)
 
 
 def _sink_rows(dks, cu_seqlens, B, T, S, dtype):

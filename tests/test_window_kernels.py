@@ -172,16 +172,6 @@ def test_split_sinks_bf16_and_gqa_tiles():
 
 
 @needs_kernels
-@pytest.mark.parametrize("split", [False, True])
-def test_sink_shares_summed_per_block(split):
-    # sink_parts: each query block and head writes its share of the sink keys' dk/dv to a
-    # slot of its own and the host sums them per document and KV head (no atomics)
-    compare(B=2, T=70, H=4, Hkv=2, D=32, window=6, sinks=4, tiles=dict(BM=16, BN=16, sink_parts=1), split=split)
-    compare(B=1, T=60, H=4, Hkv=2, D=32, window=8, sinks=4, seqs=[5, 1, 37, 6, 1, 10],
-            tiles=dict(BM=16, BN=16, sink_parts=1), split=split)
-
-
-@needs_kernels
 @pytest.mark.parametrize("D", [48, 80])
 def test_head_dims(D):
     compare(B=1, T=37, H=2, Hkv=2, D=D, window=6, sinks=4)
@@ -389,8 +379,6 @@ def test_gpu_bf16(D, window):
 def test_gpu_bf16_varlen():
     compare(B=1, T=8192, H=16, Hkv=4, D=64, window=64, sinks=4, dtype=torch.bfloat16,
             seqs=[4096, 1000, 31, 1, 3000, 64], split=True)
-    compare(B=1, T=8192, H=16, Hkv=4, D=64, window=64, sinks=4, dtype=torch.bfloat16,
-            seqs=[4096, 1000, 31, 1, 3000, 64], split=True, tiles=dict(sink_parts=1))
 
 
 @gpu
