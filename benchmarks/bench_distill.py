@@ -32,6 +32,12 @@ SHAPES = {
                                           "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                                           "original_max_position_embeddings": 8192},
                          max_position_embeddings=131072),
+    "llama-3.1-8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+                         num_key_value_heads=8, head_dim=128, vocab_size=128256, tie_word_embeddings=False,
+                         rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
+                                          "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                          "original_max_position_embeddings": 8192},
+                         max_position_embeddings=131072),
 }
 BATCHES = [(8, 2048), (1, 16384)]
 
@@ -140,7 +146,8 @@ def apply_overrides(items):
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--shapes", default=",".join(SHAPES))
+    ap.add_argument("--shapes", default="smollm2-135m,llama-3.2-1b",
+                    help=f"comma-separated, of {', '.join(SHAPES)} (8B: bench_scaling.py, sharded)")
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--json")
     ap.add_argument("--sequential", action="store_true",

@@ -1,98 +1,302 @@
-"""Stage-2 distillation throughput on 1..N GPUs (run under torchrun).
+"""Distillation steps on 1..N GPUs under torchrun: tokens/s, per GPU and in total, and peak memory.
 
-    torchrun --standalone --nproc-per-node 1 benchmarks/bench_scaling.py
-    torchrun --standalone --nproc-per-node 2 benchmarks/bench_scaling.py [--layout fsdp]
+    torchrun --standalone --nproc-per-node 8 benchmarks/bench_scaling.py --recipe llama-3.1-8b --json s.jsonl
+    torchrun --standalone --nproc-per-node 2 benchmarks/bench_scaling.py --shape llama-3.2-1b --layout ddp
+    python benchmarks/bench_scaling.py --summary s.jsonl      # the table, scaling from the smallest count
+    torchrun --standalone --nproc-per-node 2 benchmarks/bench_scaling.py --dry-run   # CPU, gloo, tiny shape
 
-Llama-3.2-1B shape with random weights, LoRA r=8 on q/k/v/o, every process running glaswap's
-stage-2 step (teacher forward in softmax mode, student forward/backward, KL, AdamW) on its own
-8 x 2048 tokens, through the same `Dist` layer `glaswap distill` uses. Prints the global
-tokens/s on rank 0; the speed-up is the ratio of two runs.
+A model of the recipe's shape (or --shape's) with random weights, since the Hub is out of
+reach, set up as `glaswap distill` sets it up: the recipe's GLA options, LoRA, gradient
+checkpointing, layout (FSDP2 or DDP) and batch per process, each process on its own random
+tokens. Three steps, each with its own AdamW over what it trains:
+- stage1: attention transfer (per-layer MSE of GLA against softmax outputs; gates and maps);
+- stage2: distillation (teacher forward, student forward and backward, KL on the logits);
+- teacher: the teacher's own LoRA fine-tuning step (softmax attention, cross-entropy on full
+  logits, the same LoRA and batch): the anchor the distillation step is held against.
+Rank 0 prints a JSON line per step: the median step time (barriers around each step), the
+global and per-GPU tokens/s, and the peak memory of the fullest GPU. Scaling efficiency is the
+per-GPU tokens/s at N GPUs over that at the smallest count run (`--summary`), so a run per GPU
+count (`bash benchmarks/run_gpu.sh scaling`) measures the plan. `--checkpoint DIR` also times
+glaswap's checkpoint of the stage-2 state (gathered full tensors, rank 0 writes) and its share
+of the steps between two of the recipe's checkpoints; a checkpoint another GPU count left in
+DIR is loaded first, timed and checked to restore exactly.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
 import sys
 import time
+from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_distill import SHAPES  # noqa: E402
 
+TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+            head_dim=16, vocab_size=256, tie_word_embeddings=False, max_position_embeddings=4096,
+            rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
+STEPS = ("stage1", "stage2", "teacher")
 
-def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--layout", choices=["ddp", "fsdp"], default="ddp")
-    ap.add_argument("--shape", default="llama-3.2-1b")
-    ap.add_argument("--batch", type=int, default=8)
-    ap.add_argument("--seq", type=int, default=2048)
-    ap.add_argument("--steps", type=int, default=8)
-    args = ap.parse_args()
 
+def settings(args) -> dict:
+    """What the run measures: the recipe's values, then the flags that were given."""
+    from glaswap.distill.recipe import Stage2, load_recipe, resolve_recipe
+
+    s = dict(shape="llama-3.2-1b", options={}, batch=8, seq=2048, lora_rank=8, lora_alpha=16,
+             lora_targets=["q_proj", "k_proj", "v_proj", "o_proj"], checkpointing=False, layout="ddp",
+             stage2=Stage2(), checkpoint_every=0)
+    if args.recipe:
+        r = load_recipe(resolve_recipe(args.recipe))
+        s.update(shape=r.name, options=dict(r.model.options), batch=r.stage2.batch_size, seq=r.data.seq_len,
+                 lora_rank=r.stage2.lora_rank, lora_alpha=r.stage2.lora_alpha, lora_targets=list(r.stage2.lora_targets),
+                 checkpointing=r.train.gradient_checkpointing, stage2=r.stage2,
+                 checkpoint_every=r.train.checkpoint_every,
+                 layout="fsdp" if r.train.distributed == "fsdp" else "ddp")
+    for key in ("shape", "batch", "seq", "layout"):
+        if getattr(args, key) is not None:
+            s[key] = getattr(args, key)
+    if args.dry_run:
+        s.update(shape="tiny", batch=2, seq=64, checkpointing=False)
+    if s["shape"] != "tiny" and s["shape"] not in SHAPES:
+        raise SystemExit(f"no shape {s['shape']!r}; pass --shape, one of {', '.join(SHAPES)}")
+    return s
+
+
+def build(s: dict, device, dtype):
+    """The student with LoRA in place, as build_student leaves it: frozen weights in `dtype`,
+    new parameters and LoRA in float32; returns (model, new parameter names, LoRA names)."""
     from peft import LoraConfig, get_peft_model
     from transformers import LlamaConfig
 
     from glaswap.convert import glaswap_config
-    from glaswap.distill.parallel import setup_distributed
-    from glaswap.distill.recipe import Stage2
-    from glaswap.distill.student import lora_inputs_in_compute_dtype
-    from glaswap.distill.losses import kd_step
     from glaswap.models.modeling_glaswap import GLASwapForCausalLM
 
-    dist = setup_distributed(args.layout)
-    device = torch.device("cuda", dist.local_rank)
     torch.manual_seed(0)  # the same random model on every process
-    lm = GLASwapForCausalLM(glaswap_config(LlamaConfig(**SHAPES[args.shape]).to_dict()))
+    shape = TINY if s["shape"] == "tiny" else SHAPES[s["shape"]]
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)  # an 8B model built in float32 would take 32 GB per process
+    try:
+        lm = GLASwapForCausalLM(glaswap_config(LlamaConfig(**shape).to_dict(), s["options"]))
+    finally:
+        torch.set_default_dtype(default)
+    if s["checkpointing"]:
+        lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     new = set(lm.new_parameter_names())
-    get_peft_model(lm, LoraConfig(r=8, lora_alpha=16, lora_dropout=0.0,
-                                  target_modules=["q_proj", "k_proj", "v_proj", "o_proj"]))
-    if dist.mode != "fsdp":
-        lm.to(torch.bfloat16)
+    get_peft_model(lm, LoraConfig(r=s["lora_rank"], lora_alpha=s["lora_alpha"], lora_dropout=0.0,
+                                  target_modules=s["lora_targets"], bias="none"))
+    lora = set()
     for name, p in lm.named_parameters():
-        trainable = name in new or ".lora_" in name
-        if trainable:
+        if name in new:
             p.data = p.data.float()
-        p.requires_grad_(trainable)
-    lora_inputs_in_compute_dtype(lm)  # as glaswap distill does for autocast steps
-    dist.wrap(lm, device, torch.bfloat16)
-    params = [p for p in lm.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=1e-5)
-    gen = torch.Generator(device="cpu").manual_seed(1000 + dist.rank)
-    vocab = SHAPES[args.shape]["vocab_size"]
+        if ".lora_" in name:
+            lora.add(name)
+        p.requires_grad_(name in new or name in lora)
+    return lm, new, lora
 
-    def step():
-        ids = torch.randint(0, vocab, (args.batch, args.seq), generator=gen).to(device)
-        with torch.autocast("cuda", dtype=torch.bfloat16):
-            loss = kd_step(lm, {"input_ids": ids, "cu_seqlens": None}, Stage2())
-        loss.backward()
+
+def step_functions(lm, s, new, lora, dist, device, dtype):
+    """name -> (parameters it trains, function of one batch that runs forward and backward)."""
+    from glaswap.distill.losses import kd_step, transfer_step
+
+    def transfer(batch):
+        for layer in lm.model.layers:
+            layer.self_attn.transfer = True
+        try:
+            with lm.attention_mode("softmax"):
+                transfer_step(lm, batch).backward()
+        finally:
+            for layer in lm.model.layers:
+                layer.self_attn.transfer = False
+
+    def distill(batch):
+        loss = kd_step(lm, batch, s["stage2"])
+        (loss[0] if isinstance(loss, tuple) else loss).backward()
+
+    def teacher(batch):  # what a plain LoRA fine-tune of the teacher runs
+        ids = batch["input_ids"]
+        with lm.attention_mode("softmax"):
+            logits = lm(input_ids=ids, use_cache=False).logits
+        F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), ids[:, 1:].flatten()).backward()
+
+    params = dict(lm.named_parameters())
+    trains = {"stage1": new, "stage2": lora | (new if s["stage2"].train_new_params else set()), "teacher": lora}
+    fns = {"stage1": transfer, "stage2": distill, "teacher": teacher}
+    return {k: ([params[n] for n in sorted(trains[k])], fns[k]) for k in STEPS}
+
+
+def measure(name, params, fn, s, dist, device, dtype, steps):
+    """(median seconds of a step after 2 warm-up steps, peak GiB of the fullest process, the
+    optimizer and schedule, as glaswap distill makes them, with the state the steps left)."""
+    from glaswap.distill.loop import make_optimizer
+
+    opt, sched = make_optimizer(params, s["stage2"], 2 + steps)
+    gen = torch.Generator(device="cpu").manual_seed(1000 + dist.rank)
+    vocab = (TINY if s["shape"] == "tiny" else SHAPES[s["shape"]])["vocab_size"]
+    cuda = device.type == "cuda"
+    autocast = torch.autocast("cuda", dtype=dtype) if cuda and dtype != torch.float32 else contextlib.nullcontext()
+
+    def one():
+        batch = {"input_ids": torch.randint(0, vocab, (s["batch"], s["seq"]), generator=gen).to(device),
+                 "cu_seqlens": None}
+        with autocast:
+            fn(batch)
         dist.sync_grads(params)
         opt.step()
-        lm.zero_grad(set_to_none=True)
+        sched.step()
+        opt.zero_grad(set_to_none=True)
 
-    for _ in range(3):
-        step()
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
     times = []
-    for _ in range(args.steps):
-        torch.cuda.synchronize()
+    for i in range(2 + steps):
+        if cuda:
+            torch.cuda.synchronize()
         dist.barrier()
         t0 = time.perf_counter()
-        step()
-        torch.cuda.synchronize()
+        one()
+        if cuda:
+            torch.cuda.synchronize()
         dist.barrier()
-        times.append(time.perf_counter() - t0)
-    ms = statistics.median(times) * 1e3
-    tokens = dist.world * args.batch * args.seq
+        if i >= 2:
+            times.append(time.perf_counter() - t0)
+        if dist.is_main:
+            print(f"  {name} step {i + 1}/{2 + steps}: {times[-1] if times else time.perf_counter() - t0:.2f} s",
+                  file=sys.stderr, flush=True)
+    peak = torch.tensor([torch.cuda.max_memory_allocated() / 2**30 if cuda else 0.0], device=device)
+    if dist.world > 1:
+        torch.distributed.all_reduce(peak, op=torch.distributed.ReduceOp.MAX)
+    return statistics.median(times), float(peak), (opt, sched)
+
+
+def checkpoint_round(lm, trainable, opt, sched, dist, folder: Path) -> dict:
+    """glaswap distill's checkpoint of this stage-2 state, written to `folder` and timed. A
+    checkpoint already there (from a run at another GPU count) is first loaded, timed and
+    checked to restore exactly: resuming across counts at this size."""
+    from glaswap.distill.checkpoints import restore_optimizer, save_checkpoint
+
+    row = {"step": "checkpoint", "world": dist.world}
+    saved = folder / "checkpoints" / "stage2"
+    if (saved / "state.json").is_file():
+        from safetensors.torch import load_file
+
+        dist.barrier()
+        t0 = time.perf_counter()
+        dist.load_trainable(lm, saved)
+        restore_optimizer(saved, opt, sched, dist, lm)
+        dist.barrier()
+        row["load_s"] = round(time.perf_counter() - t0, 2)
+        got = dist.gather_trainable(lm, trainable)
+        if dist.is_main:
+            want = load_file(str(saved / "trainable.safetensors"))
+            row["restored_exactly"] = want.keys() == got.keys() and all(torch.equal(want[n], got[n]) for n in want)
+            row["saved_by_world"] = json.loads((folder / "bench_world.json").read_text())["world"]
+    dist.barrier()
+    t0 = time.perf_counter()
+    save_checkpoint(folder, 2, 0, lm, trainable, opt, sched, dist)
+    row["save_s"] = round(time.perf_counter() - t0, 2)
     if dist.is_main:
-        print(json.dumps({"world": dist.world, "layout": dist.mode, "shape": args.shape, "step_ms": round(ms, 1),
-                          "global_tokens_per_s": round(tokens / ms * 1e3),
-                          "peak_gib": round(torch.cuda.max_memory_allocated() / 2**30, 1)}))
+        row["gib"] = round(sum(f.stat().st_size for f in saved.iterdir()) / 2**30, 3)
+        (folder / "bench_world.json").write_text(json.dumps({"world": dist.world}))
+    dist.barrier()
+    return row
+
+
+def summary(path: str) -> str:
+    """The table of a --json file: per step kind and GPU count, and the scaling efficiency from
+    the smallest count (per-GPU tokens/s at N over that at the smallest)."""
+    rows = [json.loads(line) for line in open(path) if line.strip()]
+    lines = [f"{'step':8s} {'GPUs':>4s} {'step s':>7s} {'tok/s':>9s} {'tok/s/GPU':>9s} {'peak GiB':>8s} "
+             f"{'efficiency':>10s} {'x teacher':>9s}"]
+    teacher = {r["world"]: r["tokens_per_s"] for r in rows if r["step"] == "teacher"}
+    for kind in STEPS:
+        mine = sorted((r for r in rows if r["step"] == kind), key=lambda r: r["world"])
+        for r in mine:
+            base = mine[0]["tokens_per_s_per_gpu"]
+            vs = r["tokens_per_s"] / teacher[r["world"]] if r["world"] in teacher and kind != "teacher" else None
+            lines.append(f"{kind:8s} {r['world']:4d} {r['step_s']:7.3f} {r['tokens_per_s']:9,.0f} "
+                         f"{r['tokens_per_s_per_gpu']:9,.0f} {r['peak_gib']:8.1f} {r['tokens_per_s_per_gpu'] / base:10.0%} "
+                         + (f"{vs:9.2f}" if vs is not None else f"{'':9s}"))
+    for r in sorted((r for r in rows if r["step"] == "checkpoint"), key=lambda r: r["world"]):
+        line = f"checkpoint on {r['world']} GPUs: {r['gib']:.2f} GiB written in {r['save_s']:.1f} s"
+        if r.get("stall_at_every") is not None:
+            line += f" ({r['stall_at_every']:.1%} of the steps between two checkpoints)"
+        if "load_s" in r:
+            line += (f"; the one {r['saved_by_world']} GPUs wrote loaded in {r['load_s']:.1f} s, "
+                     + ("restored exactly" if r["restored_exactly"] else "NOT restored exactly"))
+        lines.append(line)
+    return "\n".join(lines)
+
+
+def write(row: dict, path):
+    print(json.dumps(row), flush=True)
+    if path:
+        with open(path, "a") as f:
+            f.write(json.dumps(row) + "\n")
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--recipe", help="take shape, GLA options, LoRA, batch, length, layout, checkpointing from it")
+    ap.add_argument("--shape", help=f"one of {', '.join(SHAPES)} (default: the recipe's, else llama-3.2-1b)")
+    ap.add_argument("--layout", choices=["ddp", "fsdp"])
+    ap.add_argument("--batch", type=int, help="sequences per process")
+    ap.add_argument("--seq", type=int)
+    ap.add_argument("--steps", type=int, default=8, help="timed steps of each kind, after 2 warm-up steps")
+    ap.add_argument("--only", help=f"comma-separated, of {', '.join(STEPS)}")
+    ap.add_argument("--json", metavar="PATH", help="append the JSON lines to PATH")
+    ap.add_argument("--summary", metavar="PATH", help="print the table of a --json file and exit")
+    ap.add_argument("--checkpoint", metavar="DIR",
+                    help="after the stage-2 steps, time glaswap's checkpoint of that state to DIR; a checkpoint "
+                         "already in DIR (another GPU count's) is loaded first, timed and checked")
+    ap.add_argument("--dry-run", action="store_true", help="CPU (gloo), a tiny shape, 2 steps: tests this script")
+    args = ap.parse_args(argv)
+    if args.summary:
+        print(summary(args.summary))
+        return 0
+    if not args.dry_run and not torch.cuda.is_available():
+        print("bench_scaling: no CUDA GPU; pass --dry-run to test the script on the CPU", file=sys.stderr)
+        return 2
+    s = settings(args)
+    if args.dry_run:
+        args.steps = 2
+    from glaswap.distill.parallel import setup_distributed
+
+    dist = setup_distributed(s["layout"])
+    device = torch.device("cuda", dist.local_rank) if torch.cuda.is_available() and not args.dry_run \
+        else torch.device("cpu")
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    lm, new, lora = build(s, device, dtype)
+    dist.wrap(lm, device, dtype)
+    steps = step_functions(lm, s, new, lora, dist, device, dtype)
+    kinds = args.only.split(",") if args.only else list(STEPS)
+    for kind in kinds:
+        if kind not in steps:
+            raise SystemExit(f"--only: no step {kind!r}; choose from {', '.join(STEPS)}")
+        sec, peak, (opt, sched) = measure(kind, *steps[kind], s, dist, device, dtype, args.steps)
+        tokens = dist.world * s["batch"] * s["seq"]
+        row = {"step": kind, "world": dist.world, "layout": dist.mode if dist.world > 1 else "single",
+               "shape": s["shape"], "batch_per_gpu": s["batch"], "seq": s["seq"], "step_s": round(sec, 4),
+               "tokens_per_s": round(tokens / sec, 1), "tokens_per_s_per_gpu": round(tokens / sec / dist.world, 1),
+               "peak_gib": round(peak, 2), "options": s["options"], "device": str(device)}
+        if dist.is_main:
+            write(row, args.json)
+        if kind == "stage2" and args.checkpoint:
+            ck = checkpoint_round(lm, new | lora, opt, sched, dist, Path(args.checkpoint))
+            ck["stall_at_every"] = round(ck["save_s"] / (s["checkpoint_every"] * sec), 4) if s["checkpoint_every"] else None
+            if dist.is_main:
+                write(ck, args.json)
+        del opt, sched
     if dist.world > 1:
         torch.distributed.destroy_process_group()
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -5,13 +5,18 @@ after the opening line, 1: right before the question), then the question. The mo
 answers by greedy decoding; it is right when the first number it writes is the key. The
 student reads the prompt in chunks with its recurrent state; the teacher reads it with its
 KV cache (or, for "self", the student's own softmax attention, recomputed every step).
-Accuracy by length and depth for both, as a table, JSON and a heatmap PNG.
+Accuracy by length and depth for both, as a table, JSON and a heatmap PNG; beside it, the
+key's nats: -log p of the key's tokens read back after the question, a graded measure of
+how much of the key a model kept where its greedy answers are all right or all wrong.
 """
 
 from __future__ import annotations
 
+import copy
 import importlib.util
+import inspect
 import json
+import math
 import re
 import time
 from pathlib import Path
@@ -56,45 +61,75 @@ def build_prompt(tokenizer, length: int, depth: float, key: str) -> list[int]:
     return intro + filler * before + needle + filler * (n - before) + question
 
 
+def key_tokens(tokenizer, key: str) -> list[int]:
+    """The key as the answer writes it after the question: " 12345"."""
+    return tokenizer(" " + key, add_special_tokens=False)["input_ids"]
+
+
 def answer_is_key(text: str, key: str) -> bool:
     """Right when the first number in the answer is the key."""
     m = re.search(r"\d+", text)
     return m is not None and m.group(0) == key
 
 
+def _cache_name(model) -> str:
+    """The forward's name for the cache: `cache` where it takes one (transformers 5.24 on,
+    which deprecates past_key_values), else past_key_values."""
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+
 @torch.no_grad()
 def greedy_answer(model, ids: list[int], device, steps: int = ANSWER_TOKENS, chunk: int = 4096,
-                  recurrent: bool = True) -> list[int]:
-    """Greedy continuation of `ids`. recurrent: a GLA student, prefilled `chunk` tokens at a time
-    through its recurrent state (constant memory); else a Hugging Face causal LM with its own
-    KV cache, prefilled in one forward."""
+                  recurrent: bool = True, key_ids: list[int] | None = None) -> tuple[list[int], float | None]:
+    """(greedy continuation of `ids`, key_nats(...) of `key_ids` or None). recurrent: a GLA
+    student, prefilled `chunk` tokens at a time through its recurrent state (constant memory);
+    else a Hugging Face causal LM with its own KV cache, prefilled in one forward."""
     x = torch.tensor([ids], device=device)
+    name = _cache_name(model)
     if recurrent:
         from glaswap.models.modeling_glaswap import GLASwapCache
 
         cache = GLASwapCache(model.config.num_hidden_layers)
         for a in range(0, x.shape[1], chunk):
-            logits = model(input_ids=x[:, a:a + chunk], past_key_values=cache, use_cache=True, logits_to_keep=1).logits
+            logits = model(input_ids=x[:, a:a + chunk], **{name: cache}, use_cache=True, logits_to_keep=1).logits
     else:  # a Hugging Face causal LM with its KV cache
         out = model(input_ids=x, use_cache=True, logits_to_keep=1)
         cache, logits = out.past_key_values, out.logits
+    nats = None
+    if key_ids:  # read the key from a copy of the prompt's cache, then answer from the cache itself
+        rest = torch.tensor([key_ids[:-1]], device=device)
+        later = model(input_ids=rest, **{name: copy.deepcopy(cache)}, use_cache=True).logits if len(rest[0]) else None
+        nats = key_nats(logits[:, -1:] if later is None else torch.cat([logits[:, -1:], later], 1), key_ids)
     new = []
     for _ in range(steps):
         token = logits[:, -1:].argmax(-1)
         new.append(int(token))
-        logits = model(input_ids=token, past_key_values=cache, use_cache=True).logits
-    return new
+        logits = model(input_ids=token, **{name: cache}, use_cache=True).logits
+    return new, nats
+
+
+def key_nats(logits: torch.Tensor, key_ids: list[int]) -> float:
+    """-log p(key | prompt) in nats: logits [1, n, V] where row i predicts key_ids[i]. A
+    5-digit key drawn at random costs log(90000) = 11.4 nats to a model that only knows it is
+    five digits; 0 to one that has read it back."""
+    logp = torch.log_softmax(logits[0].float(), dim=-1)
+    return float(-logp[torch.arange(len(key_ids), device=logp.device),
+                       torch.tensor(key_ids, device=logp.device)].sum())
 
 
 @torch.no_grad()
-def _greedy_no_cache(model, ids, device, steps=ANSWER_TOKENS):
+def _greedy_no_cache(model, ids, device, steps=ANSWER_TOKENS, key_ids=None):
     x = torch.tensor([ids], device=device)
+    nats = None
+    if key_ids:
+        full = torch.tensor([ids + key_ids[:-1]], device=device)
+        nats = key_nats(model(input_ids=full, use_cache=False, logits_to_keep=len(key_ids)).logits, key_ids)
     new = []
     for _ in range(steps):
         token = model(input_ids=x, use_cache=False, logits_to_keep=1).logits[:, -1:].argmax(-1)
         new.append(int(token))
         x = torch.cat([x, token], dim=1)
-    return new
+    return new, nats
 
 
 def passkey(model_dir, lengths=(1024, 2048, 4096, 8192, 16384, 32768), depths=(0.0, 0.25, 0.5, 0.75, 1.0),
@@ -143,24 +178,27 @@ def _run_cells(cells, student, teacher_model, tok, keys, lengths, depths, roles,
     for L in lengths:
         for d in depths:
             cell = {"length": L, "depth": d, "keys": keys[(L, d)]}
-            answers = {r: [] for r in roles}
+            answers, nats = {r: [] for r in roles}, {r: [] for r in roles}
             for key in keys[(L, d)]:
                 ids = build_prompt(tok, L, d, key)
-                answers["student"].append(tok.decode(greedy_answer(student, ids, dev)))
+                key_ids = key_tokens(tok, key)
+                got = {"student": greedy_answer(student, ids, dev, key_ids=key_ids)}
                 if teacher:
                     if teacher_model is None:
                         with student.attention_mode("softmax"):
-                            new = _greedy_no_cache(student, ids, dev)
+                            got["teacher"] = _greedy_no_cache(student, ids, dev, key_ids=key_ids)
                     else:
-                        new = greedy_answer(teacher_model, ids, dev, recurrent=False)
-                    answers["teacher"].append(tok.decode(new))
+                        got["teacher"] = greedy_answer(teacher_model, ids, dev, recurrent=False, key_ids=key_ids)
+                for r in roles:
+                    answers[r].append(tok.decode(got[r][0]))
+                    nats[r].append(got[r][1])
             cell["tokens"] = len(ids)
             for r in roles:
                 cell[r] = {"accuracy": float(np.mean([answer_is_key(a, k) for a, k in zip(answers[r], cell["keys"])])),
-                           "answers": answers[r]}
+                           "key_nats": float(np.mean(nats[r])), "answers": answers[r]}
             cells.append(cell)
-            log(f"length {L} depth {d:g}: " + ", ".join(f"{r} {cell[r]['accuracy']:.2f}" for r in roles)
-                + f"  ({time.time() - started:.0f}s)")
+            log(f"length {L} depth {d:g}: " + ", ".join(f"{r} {cell[r]['accuracy']:.2f} ({cell[r]['key_nats']:.1f} nats)"
+                                                         for r in roles) + f"  ({time.time() - started:.0f}s)")
 
 
 def _result(model_dir, t_desc, lengths, depths, trials, seed, dev, dt, cells, started, complete: bool) -> dict:
@@ -187,33 +225,49 @@ def _write_passkey(result: dict, model_dir: Path, out, log) -> dict:
     return result
 
 
-def accuracy_grid(result: dict, role: str) -> np.ndarray:
-    """[lengths, depths] accuracy of one role (NaN where an interrupted run has no cell)."""
-    at = {(c["length"], c["depth"]): c[role]["accuracy"] for c in result["cells"]}
-    return np.array([[at.get((L, d), np.nan) for d in result["depths"]] for L in result["lengths"]])
+def accuracy_grid(result: dict, role: str, field: str = "accuracy") -> np.ndarray:
+    """[lengths, depths] of one role's `field` (accuracy or key_nats; NaN where an interrupted
+    run has no cell, or a result written before the field existed)."""
+    at = {(c["length"], c["depth"]): c[role].get(field, np.nan) for c in result["cells"]}
+    return np.array([[at.get((L, d), np.nan) for d in result["depths"]] for L in result["lengths"]], dtype=float)
 
 
 def _fmt_accuracy(x) -> str:
     return "-" if np.isnan(x) else f"{x:.2f}"
 
 
+def _fmt_nats(x) -> str:
+    return "-" if np.isnan(x) else f"{x:.1f}"
+
+
 def _row_mean(row: np.ndarray) -> float:
     return float(np.mean(row[~np.isnan(row)])) if (~np.isnan(row)).any() else float("nan")
 
 
-def format_passkey(result: dict) -> str:
-    roles = [r for r in ("student", "teacher") if r in result["cells"][0]]
-    grids = {r: accuracy_grid(result, r) for r in roles}
+def _table(result: dict, roles: list[str], field: str, fmt) -> list[str]:
+    grids = {r: accuracy_grid(result, r, field) for r in roles}
     head = ["length"] + [f"depth {d:g}" for d in result["depths"]] + ["mean"]
     rows = [head]
     for i, L in enumerate(result["lengths"]):
-        cells = ["/".join(_fmt_accuracy(grids[r][i, j]) for r in roles) for j in range(len(result["depths"]))]
-        rows.append([str(L)] + cells + ["/".join(_fmt_accuracy(_row_mean(grids[r][i])) for r in roles)])
+        cells = ["/".join(fmt(grids[r][i, j]) for r in roles) for j in range(len(result["depths"]))]
+        rows.append([str(L)] + cells + ["/".join(fmt(_row_mean(grids[r][i])) for r in roles)])
     widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
     lines = ["  ".join(c.rjust(w) for c, w in zip(r, widths)) for r in rows]
     lines.insert(1, "-" * len(lines[0]))
+    return lines
+
+
+def format_passkey(result: dict) -> str:
+    """The accuracy table and, where the cells have it, the key's nats (-log p of the key
+    read back after the question: a graded view of retrieval where greedy answers are 0 or 1)."""
+    roles = [r for r in ("student", "teacher") if r in result["cells"][0]]
+    lines = _table(result, roles, "accuracy", _fmt_accuracy)
     lines.append(f"passkey accuracy ({' / '.join(roles)}), {result['trials']} keys per cell, greedy"
                  + ("" if result.get("complete", True) else "; interrupted, - = not measured"))
+    if any("key_nats" in c[r] for c in result["cells"] for r in roles):
+        lines += [""] + _table(result, roles, "key_nats", _fmt_nats)
+        lines.append(f"nats of the key ({' / '.join(roles)}), mean per cell: -log p(key | prompt); "
+                     f"a random 5-digit guess costs {math.log(90000):.1f}")
     return "\n".join(lines)
 
 

@@ -83,3 +83,52 @@ def test_saved_with_two_processes_resumes_with_one(tmp_path):
     distill(load_recipe(path, ["stage1.batch_size=2", "stage2.batch_size=2"]), out=tmp_path / "ref",
             log=lambda *_: None)
     _assert_same_run(tmp_path / "ref", tmp_path / "run")
+
+
+# ----------------------------------------------------------------------------- benchmarks/bench_scaling.py
+BENCH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks")
+
+
+def _bench_scaling(nproc, args, cwd):
+    launcher = ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"] if nproc > 1 else []
+    cmd = [sys.executable, *launcher, os.path.join(BENCH, "bench_scaling.py"), "--dry-run", *map(str, args)]
+    return subprocess.run(cmd, cwd=str(cwd), env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True,
+                          text=True, timeout=600)
+
+
+@pytest.mark.slow
+def test_bench_scaling_measures_each_step_and_resumes_a_checkpoint_across_counts(tmp_path):
+    """The 8B plan's script, on two CPU processes (FSDP2, gloo) then one: a row per step kind,
+    and the checkpoint the two processes wrote restores exactly in one."""
+    out, ck = tmp_path / "s.jsonl", tmp_path / "ck"
+    for nproc in (2, 1):
+        proc = _bench_scaling(nproc, ["--recipe", "llama-3.1-8b", "--json", out, "--checkpoint", ck], tmp_path)
+        assert proc.returncode == 0, _why(proc)
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [(r["step"], r["world"]) for r in rows] == [(k, w) for w in (2, 1) for k in
+                                                       ("stage1", "stage2", "checkpoint", "teacher")]
+    for r in rows:
+        if r["step"] != "checkpoint":
+            assert r["layout"] == ("fsdp" if r["world"] == 2 else "single")
+            assert r["tokens_per_s"] == pytest.approx(r["world"] * 2 * 64 / r["step_s"], rel=1e-2)
+    two, one = (r for r in rows if r["step"] == "checkpoint")
+    assert "load_s" not in two and one["saved_by_world"] == 2 and one["restored_exactly"] is True
+    assert (ck / "checkpoints" / "stage2" / "trainable.safetensors").is_file()
+    summary = subprocess.run([sys.executable, os.path.join(BENCH, "bench_scaling.py"), "--summary", str(out)],
+                             capture_output=True, text=True, timeout=60).stdout
+    assert "restored exactly" in summary and "stage2      1" in summary
+
+
+def test_bench_scaling_summary_by_hand(tmp_path):
+    sys.path.insert(0, BENCH)
+    from bench_scaling import summary
+
+    rows = [dict(step="stage2", world=1, step_s=1.0, tokens_per_s=1000.0, tokens_per_s_per_gpu=1000.0, peak_gib=50.0),
+            dict(step="stage2", world=4, step_s=1.1, tokens_per_s=3600.0, tokens_per_s_per_gpu=900.0, peak_gib=20.0),
+            dict(step="teacher", world=4, step_s=1.0, tokens_per_s=4000.0, tokens_per_s_per_gpu=1000.0, peak_gib=19.0)]
+    path = tmp_path / "s.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    lines = summary(str(path)).splitlines()
+    assert lines[1].split()[-1] == "100%"                        # 1 GPU, no teacher row at 1
+    assert lines[2].split()[-2:] == ["90%", "0.90"]              # 900 / 1000 per GPU; 3600 / 4000 total
+    assert lines[3].split()[-1] == "100%"                        # the teacher's own smallest count

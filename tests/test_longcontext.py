@@ -21,7 +21,8 @@ from glaswap.layers.gla_attention import rope_kept_dims
 from glaswap.longcontext import bin_label, bin_means, position_bins
 from glaswap.models.configuration_glaswap import GLASwapConfig
 from glaswap.models.modeling_glaswap import GLASwapForCausalLM
-from glaswap.passkey import accuracy_grid, answer_is_key, build_prompt, format_passkey, parse_depths
+from glaswap.passkey import (accuracy_grid, answer_is_key, build_prompt, format_passkey, key_nats, key_tokens,
+                             parse_depths)
 
 QUIET = dict(progress=False, log=lambda *_: None)
 TEACHER_POSITIONS = 160
@@ -87,6 +88,22 @@ def test_passkey_table_and_grid_from_a_hand_made_result():
     assert accuracy_grid(result, "student").tolist() == [[1.0, 0.5], [0.0, 0.5]]
     table = format_passkey(result)
     assert "1.00/1.00" in table and "0.00/1.00" in table and "0.75/1.00" in table  # mean of row 64
+    assert "nats" not in table                      # a result without key nats shows accuracy alone
+    for c, nats in zip(cells, (0.5, 2.0, 11.0, 7.0)):
+        c["student"]["key_nats"], c["teacher"]["key_nats"] = nats, 0.25
+    table = format_passkey(result)
+    assert accuracy_grid(result, "student", "key_nats").tolist() == [[0.5, 2.0], [11.0, 7.0]]
+    assert "nats of the key" in table and "11.0/0.2" in table and "1.2/0.2" in table  # mean of row 64: 1.25
+
+
+def test_key_nats_by_hand():
+    V = 10
+    flat = torch.zeros(1, 3, V)                     # uniform: each digit costs log 10
+    assert key_nats(flat, [1, 2, 3]) == pytest.approx(3 * math.log(V))
+    sure = torch.full((1, 2, V), -30.0)
+    sure[0, 0, 4] = sure[0, 1, 7] = 30.0           # certain of 4 then 7
+    assert key_nats(sure, [4, 7]) == pytest.approx(0.0, abs=1e-6)
+    assert key_nats(sure, [7, 4]) == pytest.approx(120.0, rel=1e-3)   # certain of the wrong digits
 
 
 # ----------------------------------------------------------------------------- eval --by-position
@@ -148,6 +165,8 @@ def test_cli_passkey_writes_table_json_and_heatmap(folder, tmp_path):
             # the random model's answers are scored as they are: the accuracy is what they give
             expect = np.mean([answer_is_key(a, k) for a, k in zip(c[role]["answers"], c["keys"])])
             assert c[role]["accuracy"] == expect and len(c[role]["answers"]) == 2
+            assert math.isfinite(c[role]["key_nats"]) and c[role]["key_nats"] > 0
+    assert "nats of the key" in r.output
     assert (tmp_path / "p" / "passkey.png").read_bytes()[:4] == b"\x89PNG"
     again = CliRunner().invoke(main, ["passkey", str(folder), "--lengths", "200,300", "--depths", "0,1",
                                       "--trials", "2", "--teacher", "self", "--out", str(tmp_path / "q")])
@@ -185,9 +204,29 @@ def test_passkey_student_answers_match_a_plain_greedy_loop(folder):
     from glaswap.passkey import _greedy_no_cache, greedy_answer
 
     model = GLASwapForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
-    ids = build_prompt(ascii_tokenizer(), 260, 0.5, "27182")
-    assert greedy_answer(model, ids, torch.device("cpu"), steps=5, chunk=64) == \
-        _greedy_no_cache(model, ids, torch.device("cpu"), steps=5)
+    tok = ascii_tokenizer()
+    ids, key = build_prompt(tok, 260, 0.5, "27182"), key_tokens(tok, "27182")
+    new, nats = greedy_answer(model, ids, torch.device("cpu"), steps=5, chunk=64, key_ids=key)
+    new_full, nats_full = _greedy_no_cache(model, ids, torch.device("cpu"), steps=5, key_ids=key)
+    assert new == new_full
+    assert nats == pytest.approx(nats_full, rel=1e-4) and nats > 0
+    assert greedy_answer(model, ids, torch.device("cpu"), steps=5, chunk=64) == (new, None)
+
+
+def test_passkey_key_nats_through_a_kv_cache_match_one_forward():
+    """The teacher's path (its own KV cache, copied to read the key) scores the key as one full
+    forward over prompt and key does, and still answers from the prompt's end."""
+    from glaswap.passkey import _greedy_no_cache, greedy_answer
+
+    teacher = tiny_teacher("llama").eval()
+    tok = ascii_tokenizer()
+    ids, key = build_prompt(tok, 200, 0.25, "31415"), key_tokens(tok, "31415")
+    new, nats = greedy_answer(teacher, ids, torch.device("cpu"), steps=4, recurrent=False, key_ids=key)
+    new_full, nats_full = _greedy_no_cache(teacher, ids, torch.device("cpu"), steps=4, key_ids=key)
+    assert new == new_full and nats == pytest.approx(nats_full, rel=1e-4)
+    with torch.no_grad():
+        logits = teacher(input_ids=torch.tensor([ids + key[:-1]])).logits[:, -len(key):]
+    assert nats == pytest.approx(float(-torch.log_softmax(logits[0].double(), -1)[range(len(key)), key].sum()), rel=1e-4)
 
 
 def test_cli_passkey_bad_lengths_are_one_line(folder):
