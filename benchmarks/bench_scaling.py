@@ -258,6 +258,9 @@ def main(argv=None):
     ap.add_argument("--dry-run", action="store_true", help="CPU (gloo), a tiny shape, 2 steps: tests this script")
     args = ap.parse_args(argv)
     if args.summary:
+        if not os.path.isfile(args.summary):
+            print(f"bench_scaling: no file {args.summary}; write one with --json", file=sys.stderr)
+            return 2
         print(summary(args.summary))
         return 0
     if not args.dry_run and not torch.cuda.is_available():

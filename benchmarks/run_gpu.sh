@@ -39,11 +39,12 @@ decode() { python3 benchmarks/bench_generate.py --out "$out" "$@" 2>&1 | tee "$o
 scaling() {  # every GPU count up to those visible, each step kind, a checkpoint carried from count to count
   [ $# -gt 0 ] || set -- --recipe llama-3.1-8b
   local n; n="$(python3 -c 'import torch; print(torch.cuda.device_count())')"
+  [ "$n" -gt 0 ] || { echo "scaling: no CUDA GPU visible"; return 1; }
   rm -rf "$out/scaling.jsonl" "$out/scaling-ckpt"
   for g in 8 4 2 1; do
     [ "$g" -le "$n" ] || continue
     echo "## $g GPUs" | tee -a "$out/scaling.log"
-    torchrun --standalone --nproc-per-node "$g" benchmarks/bench_scaling.py --json "$out/scaling.jsonl" \
+    python3 -m torch.distributed.run --standalone --nproc-per-node "$g" benchmarks/bench_scaling.py --json "$out/scaling.jsonl" \
       --checkpoint "$out/scaling-ckpt" "$@" 2>&1 | tee -a "$out/scaling.log" || echo "($g GPUs failed)"
   done
   python3 benchmarks/bench_scaling.py --summary "$out/scaling.jsonl" | tee "$out/scaling.txt"
