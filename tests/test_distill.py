@@ -94,50 +94,6 @@ def test_packing_keeps_document_boundaries():
     assert plain["cu_seqlens"] is None       # no boundary inside: plain [B, T] batch
 
 
-def test_recall_task_repeats_a_span_of_the_longest_document_at_its_end():
-    toks = _tokens([10, 50, 4, 200, 20])     # block 0 of 64: docs [0,10), [10,60), [60,64)
-    source = toks.ids.copy()
-    task = D.RecallTask(fraction=1.0, span=6, gap=20, seed=3)
-    blocks = D.PackedBlocks(toks, 64, task)
-    plain = D.PackedBlocks(toks, 64)
-    for i in range(len(blocks)):
-        ids, starts = blocks.block(i)
-        orig, same_starts = plain.block(i)
-        assert starts.tolist() == same_starts.tolist()
-        ends = np.append(starts[1:], 64)
-        k = int(np.argmax(ends - starts))
-        a, b = int(starts[k]), int(ends[k])
-        changed = np.flatnonzero(ids != orig)
-        assert changed.size == 0 or (changed.min() >= b - 6 and changed.max() < b)   # only the longest doc's end
-        hits = [s for s in range(a, b - 12 - 20 + 1) if np.array_equal(orig[s:s + 6], ids[b - 6:b])]
-        assert hits, (i, a, b)                  # a copy of an earlier span, at least `gap` before it
-        assert np.array_equal(blocks.block(i)[0], ids)   # the same task every time the block is read
-    assert np.array_equal(toks.ids, source)     # the token stream itself is never written
-    # a document too short for span + gap + span leaves its block alone
-    short = D.PackedBlocks(_tokens([16] * 8), 64, D.RecallTask(1.0, 6, 20, 0))
-    assert np.array_equal(short.block(0)[0], D.PackedBlocks(_tokens([16] * 8), 64).block(0)[0])
-    # the fraction of blocks drawn
-    many = D.PackedBlocks(_tokens([64] * 400), 64, D.RecallTask(0.25, 4, 8, 1))
-    drawn = np.mean([not np.array_equal(many.block(i)[0], many.ids[i * 64:(i + 1) * 64]) for i in range(400)])
-    assert 0.17 < drawn < 0.33, drawn
-
-
-def test_recall_task_settings_are_checked_and_reach_training_blocks_only(tmp_path):
-    for bad, what in ((["data.recall_fraction=1.5"], "recall_fraction"),
-                      (["data.recall_fraction=0.5", "data.recall_span=0"], "recall_span"),
-                      (["data.recall_fraction=0.5", "data.recall_gap=20"], "2 x recall_span")):
-        with pytest.raises(GlaswapError, match=what):
-            load_recipe(tiny_recipe(tmp_path), bad)
-    recipe = load_recipe(tiny_recipe(tmp_path), ["data.recall_fraction=0.5", "data.recall_span=4",
-                                                 "data.recall_gap=8"])
-    from glaswap.convert import convert
-
-    convert(recipe.model.source, tmp_path / "conv", options=recipe.model.options, log=_quiet)
-    data = D.load_run_data(tmp_path / "conv", recipe, log=_quiet)
-    assert data.blocks.recall == D.RecallTask(0.5, 4, 8, recipe.train.seed)
-    assert data.eval_blocks.recall is None
-
-
 def test_heldout_split_and_order_independent_of_world_size():
     train, held = D.split_heldout(_tokens([50] * 20), 0.1)
     assert (train.n_tokens, held.n_tokens) == (900, 100) and held.doc_lens.tolist() == [50, 50]

@@ -284,43 +284,14 @@ def split_heldout(tokens: Tokens, fraction: float) -> tuple[Tokens, Tokens]:
 
 
 # ----------------------------------------------------------------------------- blocks
-@dataclass(frozen=True)
-class RecallTask:
-    """data.recall_*: which blocks repeat a span of their longest document at its end."""
-    fraction: float
-    span: int
-    gap: int
-    seed: int
-
-    def apply(self, i: int, ids: np.ndarray, starts: np.ndarray) -> np.ndarray:
-        """Block i's ids, with its longest document's last `span` tokens replaced by a copy of
-        an earlier span of that document, at least `gap` tokens before them; unchanged when
-        the block is not drawn (a fixed draw per block and seed) or no document is long enough."""
-        rng = np.random.default_rng([self.seed, i])
-        if rng.random() >= self.fraction:
-            return ids
-        ends = np.append(starts[1:], len(ids))
-        k = int(np.argmax(ends - starts))
-        a, b = int(starts[k]), int(ends[k])
-        last_source = b - 2 * self.span - self.gap     # the latest start that keeps the gap
-        if last_source < a:
-            return ids
-        s = int(rng.integers(a, last_source + 1))
-        out = ids.copy()
-        out[b - self.span:b] = ids[s:s + self.span]
-        return out
-
-
 class PackedBlocks:
-    """Fixed-length blocks over a token stream, with the document starts inside each block
-    (and, for training blocks, optional recall tasks written into a copy of the ids)."""
+    """Fixed-length blocks over a token stream, with the document starts inside each block."""
 
-    def __init__(self, tokens: Tokens, seq_len: int, recall: RecallTask | None = None):
+    def __init__(self, tokens: Tokens, seq_len: int):
         self.seq_len = seq_len
         self.n_blocks = tokens.n_tokens // seq_len
         self.ids = tokens.ids[: self.n_blocks * seq_len]
         self.doc_starts = np.concatenate([[0], np.cumsum(tokens.doc_lens)[:-1]]).astype(np.int64)
-        self.recall = recall if recall is not None and recall.fraction > 0 else None
 
     def __len__(self):
         return self.n_blocks
@@ -333,10 +304,7 @@ class PackedBlocks:
         starts = self.doc_starts[a:b] - lo
         if len(starts) == 0 or starts[0] != 0:
             starts = np.concatenate([[0], starts])
-        ids = self.ids[lo:hi].astype(np.int64)
-        if self.recall is not None:
-            ids = self.recall.apply(i, ids, starts)
-        return ids, starts
+        return self.ids[lo:hi].astype(np.int64), starts
 
     def batch(self, indices) -> dict:
         """input_ids [B, T] and cu_seqlens (int32) over the flattened B*T tokens."""
@@ -449,16 +417,13 @@ def load_run_data(converted: Path, recipe: Recipe, log=print, trust_remote_code:
         raise GlaswapError("data.train holds no text (0 tokens); check the sources in the recipe")
     train_tokens, heldout = split_heldout(train_tokens, recipe.data.heldout_fraction)
     eval_tokens = load_sources(recipe.data.eval, tokenizer, log, vocab) if recipe.data.eval else heldout
-    d = recipe.data
-    blocks = PackedBlocks(train_tokens, seq_len, RecallTask(d.recall_fraction, d.recall_span, d.recall_gap,
-                                                            recipe.train.seed))
+    blocks = PackedBlocks(train_tokens, seq_len)
     eval_blocks = PackedBlocks(eval_tokens, seq_len) if eval_tokens.n_tokens else None
     if len(blocks) == 0:
         raise GlaswapError(f"data.train has {train_tokens.n_tokens} tokens, fewer than one block of "
                            f"data.seq_len={seq_len}; add text or lower seq_len")
     log(f"data: {train_tokens.n_tokens:,} training tokens ({len(blocks):,} blocks of {seq_len}), "
-        f"{heldout.n_tokens:,} held out, {eval_tokens.n_tokens:,} for evaluation"
-        + (f"; recall tasks in {d.recall_fraction:.0%} of the training blocks" if d.recall_fraction else ""))
+        f"{heldout.n_tokens:,} held out, {eval_tokens.n_tokens:,} for evaluation")
     extra_blocks = {}
     for extra in recipe.data.extra_eval:
         toks = load_sources(extra.sources, tokenizer, log, vocab)

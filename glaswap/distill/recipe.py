@@ -58,13 +58,6 @@ class DataSpec:
     seq_len: int = 512
     heldout_fraction: float = 0.02
     eval_tokens: int = 32768        # tokens scored at each evaluation (per model)
-    # Recall tasks: this fraction of training blocks repeats a span of recall_span tokens of
-    # its longest document at that document's end, at least recall_gap tokens after the
-    # span, so that the teacher's confident copy of it trains the student to fetch text
-    # from its state rather than its window. Evaluation text is never changed. 0: none.
-    recall_fraction: float = 0.0
-    recall_span: int = 32
-    recall_gap: int = 256
 
 
 @dataclass
@@ -242,12 +235,6 @@ def _check_values(r: Recipe):
     need(r.data.seq_len >= 16, "data.seq_len", "must be at least 16")
     need(0.0 <= r.data.heldout_fraction < 0.5, "data.heldout_fraction", "must be in [0, 0.5)")
     need(r.data.eval_tokens >= 0, "data.eval_tokens", "must be >= 0")
-    need(0.0 <= r.data.recall_fraction <= 1.0, "data.recall_fraction", "must be in [0, 1]")
-    need(r.data.recall_span >= 1 and r.data.recall_gap >= 0, "data.recall_span",
-         "recall_span must be >= 1 and recall_gap >= 0")
-    need(r.data.recall_fraction == 0 or 2 * r.data.recall_span + r.data.recall_gap <= r.data.seq_len,
-         "data.recall_gap", f"a recall task needs 2 x recall_span + recall_gap <= data.seq_len "
-                            f"({2 * r.data.recall_span + r.data.recall_gap} > {r.data.seq_len}); shorten them")
     for name in ("stage1", "stage2"):
         st = getattr(r, name)
         need(st.steps >= 0, f"{name}.steps", "must be >= 0")
