@@ -45,65 +45,54 @@ TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_atte
 STEPS = ("stage1", "stage2", "teacher")
 
 
-def settings(args) -> dict:
-    """What the run measures: the recipe's values, then the flags that were given."""
-    from glaswap.distill.recipe import Stage2, load_recipe, resolve_recipe
+def settings(args):
+    """(recipe, shape, sequences per process, sequence length, layout): the recipe's values,
+    then the flags that were given. Without --recipe: glaswap's recipe defaults (pure GLA,
+    LoRA r=8 on q/k/v/o, no gradient checkpointing, ddp) at llama-3.2-1b, 8 x 2048."""
+    from glaswap.distill.recipe import Recipe, load_recipe, resolve_recipe
 
-    s = dict(shape="llama-3.2-1b", options={}, batch=8, seq=2048, lora_rank=8, lora_alpha=16,
-             lora_targets=["q_proj", "k_proj", "v_proj", "o_proj"], checkpointing=False, layout="ddp",
-             stage2=Stage2(), checkpoint_every=0)
     if args.recipe:
-        r = load_recipe(resolve_recipe(args.recipe))
-        s.update(shape=r.name, options=dict(r.model.options), batch=r.stage2.batch_size, seq=r.data.seq_len,
-                 lora_rank=r.stage2.lora_rank, lora_alpha=r.stage2.lora_alpha, lora_targets=list(r.stage2.lora_targets),
-                 checkpointing=r.train.gradient_checkpointing, stage2=r.stage2,
-                 checkpoint_every=r.train.checkpoint_every,
-                 layout="fsdp" if r.train.distributed == "fsdp" else "ddp")
-    for key in ("shape", "batch", "seq", "layout"):
-        if getattr(args, key) is not None:
-            s[key] = getattr(args, key)
+        recipe = load_recipe(resolve_recipe(args.recipe))
+    else:
+        recipe = Recipe(name="llama-3.2-1b")
+        recipe.stage2.batch_size, recipe.data.seq_len = 8, 2048
+    shape = args.shape or recipe.name
+    batch = args.batch or recipe.stage2.batch_size
+    seq = args.seq or recipe.data.seq_len
+    layout = args.layout or ("fsdp" if recipe.train.distributed == "fsdp" else "ddp")
     if args.dry_run:
-        s.update(shape="tiny", batch=2, seq=64, checkpointing=False)
-    if s["shape"] != "tiny" and s["shape"] not in SHAPES:
-        raise SystemExit(f"no shape {s['shape']!r}; pass --shape, one of {', '.join(SHAPES)}")
-    return s
+        shape, batch, seq = "tiny", 2, 64
+        recipe.train.gradient_checkpointing = False
+    if shape != "tiny" and shape not in SHAPES:
+        raise SystemExit(f"no shape {shape!r}; pass --shape, one of {', '.join(SHAPES)}")
+    return recipe, shape, batch, seq, layout
 
 
-def build(s: dict, device, dtype):
-    """The student with LoRA in place, as build_student leaves it: frozen weights in `dtype`,
-    new parameters and LoRA in float32; returns (model, new parameter names, LoRA names)."""
-    from peft import LoraConfig, get_peft_model
+def build(recipe, shape: str, dtype):
+    """The student of `shape` with random weights, built in `dtype` and set up for training as
+    glaswap distill sets it up (distill.student.prepare_student)."""
     from transformers import LlamaConfig
 
     from glaswap.convert import glaswap_config
+    from glaswap.distill.student import prepare_student
     from glaswap.models.modeling_glaswap import GLASwapForCausalLM
 
     torch.manual_seed(0)  # the same random model on every process
-    shape = TINY if s["shape"] == "tiny" else SHAPES[s["shape"]]
     default = torch.get_default_dtype()
     torch.set_default_dtype(dtype)  # an 8B model built in float32 would take 32 GB per process
     try:
-        lm = GLASwapForCausalLM(glaswap_config(LlamaConfig(**shape).to_dict(), s["options"]))
+        lm = GLASwapForCausalLM(glaswap_config(LlamaConfig(**(TINY if shape == "tiny" else SHAPES[shape])).to_dict(),
+                                               recipe.model.options))
     finally:
         torch.set_default_dtype(default)
-    if s["checkpointing"]:
-        lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    new = set(lm.new_parameter_names())
-    get_peft_model(lm, LoraConfig(r=s["lora_rank"], lora_alpha=s["lora_alpha"], lora_dropout=0.0,
-                                  target_modules=s["lora_targets"], bias="none"))
-    lora = set()
-    for name, p in lm.named_parameters():
-        if name in new:
-            p.data = p.data.float()
-        if ".lora_" in name:
-            lora.add(name)
-        p.requires_grad_(name in new or name in lora)
-    return lm, new, lora
+    return prepare_student(lm, recipe)
 
 
-def step_functions(lm, s, new, lora, dist, device, dtype):
+def step_functions(student, stage2):
     """name -> (parameters it trains, function of one batch that runs forward and backward)."""
     from glaswap.distill.losses import kd_step, transfer_step
+
+    lm = student.lm
 
     def transfer(batch):
         for layer in lm.model.layers:
@@ -116,7 +105,7 @@ def step_functions(lm, s, new, lora, dist, device, dtype):
                 layer.self_attn.transfer = False
 
     def distill(batch):
-        loss = kd_step(lm, batch, s["stage2"])
+        loss = kd_step(lm, batch, stage2)
         (loss[0] if isinstance(loss, tuple) else loss).backward()
 
     def teacher(batch):  # what a plain LoRA fine-tune of the teacher runs
@@ -126,27 +115,26 @@ def step_functions(lm, s, new, lora, dist, device, dtype):
         F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), ids[:, 1:].flatten()).backward()
 
     params = dict(lm.named_parameters())
-    trains = {"stage1": new, "stage2": lora | (new if s["stage2"].train_new_params else set()), "teacher": lora}
+    new, lora = student.new_names, student.lora_names
+    trains = {"stage1": new, "stage2": lora | (new if stage2.train_new_params else set()), "teacher": lora}
     fns = {"stage1": transfer, "stage2": distill, "teacher": teacher}
     return {k: ([params[n] for n in sorted(trains[k])], fns[k]) for k in STEPS}
 
 
-def measure(name, params, fn, s, dist, device, dtype, steps):
+def measure(name, params, fn, stage2, vocab, batch, seq, dist, device, dtype, steps):
     """(median seconds of a step after 2 warm-up steps, peak GiB of the fullest process, the
     optimizer and schedule, as glaswap distill makes them, with the state the steps left)."""
     from glaswap.distill.loop import make_optimizer
 
-    opt, sched = make_optimizer(params, s["stage2"], 2 + steps)
+    opt, sched = make_optimizer(params, stage2, 2 + steps)
     gen = torch.Generator(device="cpu").manual_seed(1000 + dist.rank)
-    vocab = (TINY if s["shape"] == "tiny" else SHAPES[s["shape"]])["vocab_size"]
     cuda = device.type == "cuda"
     autocast = torch.autocast("cuda", dtype=dtype) if cuda and dtype != torch.float32 else contextlib.nullcontext()
 
     def one():
-        batch = {"input_ids": torch.randint(0, vocab, (s["batch"], s["seq"]), generator=gen).to(device),
-                 "cu_seqlens": None}
+        ids = torch.randint(0, vocab, (batch, seq), generator=gen).to(device)
         with autocast:
-            fn(batch)
+            fn({"input_ids": ids, "cu_seqlens": None})
         dist.sync_grads(params)
         opt.step()
         sched.step()
@@ -266,33 +254,36 @@ def main(argv=None):
     if not args.dry_run and not torch.cuda.is_available():
         print("bench_scaling: no CUDA GPU; pass --dry-run to test the script on the CPU", file=sys.stderr)
         return 2
-    s = settings(args)
+    recipe, shape, batch, seq, layout = settings(args)
     if args.dry_run:
         args.steps = 2
     from glaswap.distill.parallel import setup_distributed
 
-    dist = setup_distributed(s["layout"])
+    dist = setup_distributed(layout)
     device = torch.device("cuda", dist.local_rank) if torch.cuda.is_available() and not args.dry_run \
         else torch.device("cpu")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    lm, new, lora = build(s, device, dtype)
-    dist.wrap(lm, device, dtype)
-    steps = step_functions(lm, s, new, lora, dist, device, dtype)
+    student = build(recipe, shape, dtype)
+    dist.wrap(student.lm, device, dtype)
+    steps = step_functions(student, recipe.stage2)
+    vocab = (TINY if shape == "tiny" else SHAPES[shape])["vocab_size"]
     kinds = args.only.split(",") if args.only else list(STEPS)
     for kind in kinds:
         if kind not in steps:
             raise SystemExit(f"--only: no step {kind!r}; choose from {', '.join(STEPS)}")
-        sec, peak, (opt, sched) = measure(kind, *steps[kind], s, dist, device, dtype, args.steps)
-        tokens = dist.world * s["batch"] * s["seq"]
+        sec, peak, (opt, sched) = measure(kind, *steps[kind], recipe.stage2, vocab, batch, seq, dist, device, dtype,
+                                          args.steps)
+        tokens = dist.world * batch * seq
         row = {"step": kind, "world": dist.world, "layout": dist.mode if dist.world > 1 else "single",
-               "shape": s["shape"], "batch_per_gpu": s["batch"], "seq": s["seq"], "step_s": round(sec, 4),
+               "shape": shape, "batch_per_gpu": batch, "seq": seq, "step_s": round(sec, 4),
                "tokens_per_s": round(tokens / sec, 1), "tokens_per_s_per_gpu": round(tokens / sec / dist.world, 1),
-               "peak_gib": round(peak, 2), "options": s["options"], "device": str(device)}
+               "peak_gib": round(peak, 2), "options": recipe.model.options, "device": str(device)}
         if dist.is_main:
             write(row, args.json)
         if kind == "stage2" and args.checkpoint:
-            ck = checkpoint_round(lm, new | lora, opt, sched, dist, Path(args.checkpoint))
-            ck["stall_at_every"] = round(ck["save_s"] / (s["checkpoint_every"] * sec), 4) if s["checkpoint_every"] else None
+            ck = checkpoint_round(student.lm, student.trainable, opt, sched, dist, Path(args.checkpoint))
+            every = recipe.train.checkpoint_every
+            ck["stall_at_every"] = round(ck["save_s"] / (every * sec), 4) if every else None
             if dist.is_main:
                 write(ck, args.json)
         del opt, sched

@@ -45,7 +45,13 @@ def build_student(converted: Path, recipe: Recipe, dtype) -> Student:
     stage's optimizer takes the ones it trains."""
     from glaswap.models.modeling_glaswap import GLASwapForCausalLM
 
-    lm = GLASwapForCausalLM.from_pretrained(str(converted), dtype=dtype)
+    return prepare_student(GLASwapForCausalLM.from_pretrained(str(converted), dtype=dtype), recipe)
+
+
+def prepare_student(lm, recipe: Recipe) -> Student:
+    """A GLASwapForCausalLM set up for training as the recipe says (build_student's model, or
+    a benchmark's random one): gradient checkpointing, LoRA when stage 2 has steps, the new
+    parameters in float32, and requires_grad on exactly the new and LoRA parameters."""
     if recipe.train.gradient_checkpointing:
         lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     new_names = set(lm.new_parameter_names())
