@@ -69,8 +69,8 @@ def settings(args):
 
 
 def build(recipe, shape: str, dtype):
-    """The student of `shape` with random weights, built in `dtype` and set up for training as
-    glaswap distill sets it up (distill.student.prepare_student)."""
+    """The student of `shape` with random weights, built in `dtype` (Dist.storage_dtype, as
+    glaswap distill builds it) and set up for training as distill does (prepare_student)."""
     from transformers import LlamaConfig
 
     from glaswap.convert import glaswap_config
@@ -79,7 +79,7 @@ def build(recipe, shape: str, dtype):
 
     torch.manual_seed(0)  # the same random model on every process
     default = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)  # an 8B model built in float32 would take 32 GB per process
+    torch.set_default_dtype(dtype)  # built in dtype, not cast after: an 8B model in float32 takes 32 GB
     try:
         lm = GLASwapForCausalLM(glaswap_config(LlamaConfig(**(TINY if shape == "tiny" else SHAPES[shape])).to_dict(),
                                                recipe.model.options))
@@ -263,7 +263,7 @@ def main(argv=None):
     device = torch.device("cuda", dist.local_rank) if torch.cuda.is_available() and not args.dry_run \
         else torch.device("cpu")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    student = build(recipe, shape, dtype)
+    student = build(recipe, shape, dist.storage_dtype(dtype))
     dist.wrap(student.lm, device, dtype)
     steps = step_functions(student, recipe.stage2)
     vocab = (TINY if shape == "tiny" else SHAPES[shape])["vocab_size"]

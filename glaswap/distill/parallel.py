@@ -106,6 +106,12 @@ class Dist:
             tdist.destroy_process_group()
 
     # ---------------------------------------------------------------- the model
+    def storage_dtype(self, compute: torch.dtype) -> torch.dtype:
+        """The dtype to build the model in: FSDP shards need one dtype per layer (the new
+        parameters train in float32), so under fsdp the model is kept in float32 and gathered
+        in the compute dtype; otherwise frozen weights are stored in the compute dtype."""
+        return torch.float32 if self.mode == "fsdp" else compute
+
     def wrap(self, model, device, compute=torch.float32):
         """Place the model: whole on `device`, or its decoder layers sharded (fsdp), stored
         in their dtype and gathered in the `compute` dtype for each forward and backward."""

@@ -90,8 +90,7 @@ def _distill(recipe: Recipe, out: Path, folder: Path, resume: bool, force: bool,
         step0 = json.loads((converted / "glaswap.json").read_text()).get("step0", {})
         data = D.load_run_data(converted, recipe, log, trust_remote_code)
         torch.manual_seed(recipe.train.seed)
-        # FSDP shards need one dtype per layer: keep float32 there and gather in the compute dtype.
-        student = build_student(converted, recipe, torch.float32 if dist.mode == "fsdp" else dtype)
+        student = build_student(converted, recipe, dist.storage_dtype(dtype))
     except GlaswapError:
         # Refused before any training (a bad source, empty data, a set shorter than one block,
         # no tokenizer, unknown LoRA targets): a run folder this call created holds at most the
