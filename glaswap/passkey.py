@@ -26,7 +26,7 @@ import torch
 
 from glaswap.errors import GlaswapError
 from glaswap.runtime import (atomic_write, check_model_folder, load_student, load_teacher, load_tokenizer,
-                             pick_device, pick_dtype, teacher_source, versions)
+                             pick_device, pick_dtype, set_memory_slots, teacher_source, versions)
 
 INTRO = "There is a pass key hidden in this text. Find it and remember it, you will be asked for it."
 FILLER = " The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again."
@@ -45,17 +45,25 @@ def parse_depths(text: str) -> list[float]:
     return depths
 
 
-def build_prompt(tokenizer, length: int, depth: float, key: str) -> list[int]:
+def build_prompt(tokenizer, length: int, depth: float, key: str, text_ids: list[int] | None = None,
+                 offset: int = 0) -> list[int]:
     """Token ids of about `length` tokens (never more): the opening line, filler, the key at
-    `depth` of the filler, more filler, the question."""
+    `depth` of the filler, more filler, the question. The filler is FILLER repeated, or with
+    `text_ids` (a tokenised text) that text's tokens from `offset` on, wrapping around."""
     def enc(text, first=False):
         return tokenizer(text, add_special_tokens=first)["input_ids"]
 
-    intro, filler, needle, question = enc(INTRO, True), enc(FILLER), enc(NEEDLE.format(key=key)), enc(QUESTION)
+    intro, needle, question = enc(INTRO, True), enc(NEEDLE.format(key=key)), enc(QUESTION)
     room = length - len(intro) - len(needle) - len(question)
     if room < 0:
         raise GlaswapError(f"a passkey prompt needs at least {length - room} tokens with this tokenizer; "
                            f"pass longer --lengths")
+    if text_ids:
+        n = room
+        filler = [text_ids[(offset + i) % len(text_ids)] for i in range(n)]
+        before = int(round(depth * n))
+        return intro + filler[:before] + needle + filler[before:] + question
+    filler = enc(FILLER)
     n = room // len(filler)
     before = int(round(depth * n))
     return intro + filler * before + needle + filler * (n - before) + question
@@ -82,16 +90,20 @@ def _cache_name(model) -> str:
 def greedy_answer(model, ids: list[int], device, steps: int = ANSWER_TOKENS, chunk: int = 4096,
                   recurrent: bool = True, key_ids: list[int] | None = None) -> tuple[list[int], float | None]:
     """(greedy continuation of `ids`, key_nats(...) of `key_ids` or None). recurrent: a GLA
-    student, prefilled `chunk` tokens at a time through its recurrent state (constant memory);
-    else a Hugging Face causal LM with its own KV cache, prefilled in one forward."""
+    student, prefilled `chunk` tokens at a time through its recurrent state (constant memory),
+    the prompt's last token read as a step of its own, so that it sees everything the state
+    and the memory slots (config.memory_slots) took from the rest; else a Hugging Face causal
+    LM with its own KV cache, prefilled in one forward."""
     x = torch.tensor([ids], device=device)
     name = _cache_name(model)
     if recurrent:
         from glaswap.models.modeling_glaswap import GLASwapCache
 
         cache = GLASwapCache(model.config.num_hidden_layers)
-        for a in range(0, x.shape[1], chunk):
-            logits = model(input_ids=x[:, a:a + chunk], **{name: cache}, use_cache=True, logits_to_keep=1).logits
+        n = x.shape[1] - 1
+        spans = [(a, min(a + chunk, n)) for a in range(0, n, chunk)] + [(n, n + 1)]
+        for a, b in spans:
+            logits = model(input_ids=x[:, a:b], **{name: cache}, use_cache=True, logits_to_keep=1).logits
     else:  # a Hugging Face causal LM with its KV cache
         out = model(input_ids=x, use_cache=True, logits_to_keep=1)
         cache, logits = out.past_key_values, out.logits
@@ -134,9 +146,13 @@ def _greedy_no_cache(model, ids, device, steps=ANSWER_TOKENS, key_ids=None):
 
 def passkey(model_dir, lengths=(1024, 2048, 4096, 8192, 16384, 32768), depths=(0.0, 0.25, 0.5, 0.75, 1.0),
             trials: int = 2, teacher: str = "auto", seed: int = 0, out=None, device: str = "auto",
-            dtype: str = "auto", trust_remote_code: bool = False, log=print) -> dict:
+            dtype: str = "auto", trust_remote_code: bool = False, memory_slots: int | None = None,
+            filler=None, log=print) -> dict:
     """Passkey accuracy of MODEL and its teacher (teacher=None: the student alone) by length and
-    depth; writes JSON and a heatmap PNG to `out` (default MODEL/eval)."""
+    depth; writes JSON and a heatmap PNG to `out` (default MODEL/eval). memory_slots: the
+    student's config.memory_slots for this run (None: as saved). filler: a text file whose
+    tokens fill the prompt instead of the repeated FILLER sentences (each key at its own
+    seeded place in the text)."""
     if trials < 1:
         raise GlaswapError(f"--trials {trials} must be at least 1")
     if not lengths or min(lengths) < 1:
@@ -146,8 +162,11 @@ def passkey(model_dir, lengths=(1024, 2048, 4096, 8192, 16384, 32768), depths=(0
     dev = pick_device(device)
     dt = pick_dtype(dtype, dev)
     tok = load_tokenizer(model_dir, trust_remote_code)
+    text_ids = _filler_ids(tok, filler) if filler is not None else None
     student = load_student(model_dir, dev, dt)
     student.set_attention_mode("gla")
+    if memory_slots is not None:
+        set_memory_slots(student, memory_slots)
     t_desc, teacher_model = None, None
     if teacher is not None:
         t_kind, t_path, t_desc = teacher_source(model_dir, meta, teacher)
@@ -156,31 +175,47 @@ def passkey(model_dir, lengths=(1024, 2048, 4096, 8192, 16384, 32768), depths=(0
             teacher_model = load_teacher(t_kind, t_path, dev, dt, trust_remote_code)
     rng = np.random.default_rng(seed)
     keys = {(L, d): [str(k) for k in rng.integers(10000, 100000, size=trials)] for L in lengths for d in depths}
+    # where each key's filler starts in the text (drawn after the keys: the keys do not change)
+    offsets = {c: [int(o) for o in rng.integers(0, len(text_ids), size=trials)] for c in keys} if text_ids else None
     roles = ["student"] + (["teacher"] if teacher is not None else [])
     cells = []
     started = time.time()
     try:
-        _run_cells(cells, student, teacher_model, tok, keys, lengths, depths, roles, dev, started, log)
+        _run_cells(cells, student, teacher_model, tok, keys, lengths, depths, roles, dev, started, log,
+                   text_ids, offsets)
     except KeyboardInterrupt:
         if not cells:
             raise
         log(f"interrupted: keeping the {len(cells)} of {len(lengths) * len(depths)} cells measured")
-        _write_passkey(_result(model_dir, t_desc, lengths, depths, trials, seed, dev, dt, cells, started, False),
-                       model_dir, out, log)
+        _write_passkey(_result(model_dir, t_desc, lengths, depths, trials, seed, dev, dt, cells, started, False,
+                               student, filler), model_dir, out, log)
         raise
-    return _write_passkey(_result(model_dir, t_desc, lengths, depths, trials, seed, dev, dt, cells, started, True),
-                          model_dir, out, log)
+    return _write_passkey(_result(model_dir, t_desc, lengths, depths, trials, seed, dev, dt, cells, started, True,
+                                  student, filler), model_dir, out, log)
 
 
-def _run_cells(cells, student, teacher_model, tok, keys, lengths, depths, roles, dev, started, log):
+def _filler_ids(tokenizer, path) -> list[int]:
+    path = Path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise GlaswapError(f"cannot read --filler {path} ({getattr(e, 'strerror', None) or e}); pass a UTF-8 text file")
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    if len(ids) < 64:
+        raise GlaswapError(f"--filler {path} has {len(ids)} tokens; pass a text of at least 64")
+    return ids
+
+
+def _run_cells(cells, student, teacher_model, tok, keys, lengths, depths, roles, dev, started, log,
+               text_ids=None, offsets=None):
     """Appends one finished cell (length, depth) after another to `cells`."""
     teacher = "teacher" in roles
     for L in lengths:
         for d in depths:
             cell = {"length": L, "depth": d, "keys": keys[(L, d)]}
             answers, nats = {r: [] for r in roles}, {r: [] for r in roles}
-            for key in keys[(L, d)]:
-                ids = build_prompt(tok, L, d, key)
+            for n, key in enumerate(keys[(L, d)]):
+                ids = build_prompt(tok, L, d, key, text_ids, offsets[(L, d)][n] if offsets else 0)
                 key_ids = key_tokens(tok, key)
                 got = {"student": greedy_answer(student, ids, dev, key_ids=key_ids)}
                 if teacher:
@@ -201,10 +236,13 @@ def _run_cells(cells, student, teacher_model, tok, keys, lengths, depths, roles,
                                                          for r in roles) + f"  ({time.time() - started:.0f}s)")
 
 
-def _result(model_dir, t_desc, lengths, depths, trials, seed, dev, dt, cells, started, complete: bool) -> dict:
+def _result(model_dir, t_desc, lengths, depths, trials, seed, dev, dt, cells, started, complete: bool,
+            student, filler) -> dict:
     """The JSON record; `complete` is False for a run stopped early (the cells it finished)."""
     return {"model": str(model_dir), "teacher": t_desc, "lengths": list(lengths), "depths": list(depths),
-            "trials": trials, "seed": seed, "device": str(dev), "dtype": str(dt).replace("torch.", ""),
+            "trials": trials, "seed": seed, "memory_slots": int(student.config.memory_slots),
+            "filler": str(filler) if filler is not None else "repeated sentences",
+            "device": str(dev), "dtype": str(dt).replace("torch.", ""),
             "cells": cells, "complete": complete, "seconds": round(time.time() - started, 2),
             "versions": versions()}
 
@@ -263,6 +301,9 @@ def format_passkey(result: dict) -> str:
     roles = [r for r in ("student", "teacher") if r in result["cells"][0]]
     lines = _table(result, roles, "accuracy", _fmt_accuracy)
     lines.append(f"passkey accuracy ({' / '.join(roles)}), {result['trials']} keys per cell, greedy"
+                 + (f"; {result['memory_slots']} memory slots" if result.get("memory_slots") else "")
+                 + (f"; filler {result['filler']}" if result.get("filler", "repeated sentences") != "repeated sentences"
+                    else "")
                  + ("" if result.get("complete", True) else "; interrupted, - = not measured"))
     if any("key_nats" in c[r] for c in result["cells"] for r in roles):
         lines += [""] + _table(result, roles, "key_nats", _fmt_nats)
