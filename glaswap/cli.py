@@ -229,11 +229,9 @@ def _scoring_options(fn):
                    "models' loss in doubling bins of absolute position (0-1K, 1K-2K, 2K-4K, ...), with a PNG.")
 @click.option("--first-bin", type=click.IntRange(1), default=1024, show_default=True,
               help="Width of the first --by-position bin (tokens); each later bin doubles.")
-@click.option("--memory-slots", type=click.IntRange(0), default=None,
-              help="Memory slots of a hybrid MODEL for the stateful column (default: as saved; 0: none).")
 @_friendly
 def eval_(model, more_texts, texts, teacher, context, stride, max_tokens, batch_size, out, device, dtype,
-          trust_remote_code, bos, by_position, first_bin, memory_slots):
+          trust_remote_code, bos, by_position, first_bin):
     """Perplexity and bits per byte of MODEL and its teacher on identical windows of text files,
     plus MODEL reading each file in one pass with its recurrent state (the "stateful" column)."""
     from glaswap.evaluate import evaluate
@@ -241,7 +239,7 @@ def eval_(model, more_texts, texts, teacher, context, stride, max_tokens, batch_
     evaluate(model, list(texts) + list(more_texts), teacher=teacher, context=context, stride=stride,
              max_tokens=max_tokens, batch_size=batch_size, out=out, device=device, dtype=dtype,
              trust_remote_code=trust_remote_code, bos=bos, by_position=by_position, first_bin=first_bin,
-             memory_slots=memory_slots, log=click.echo)
+             log=click.echo)
 
 
 @main.command()
@@ -256,15 +254,13 @@ def eval_(model, more_texts, texts, teacher, context, stride, max_tokens, batch_
                    "or a Hugging Face folder / .gguf file.")
 @click.option("--no-teacher", is_flag=True, help="Score MODEL alone.")
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed of the keys.")
-@click.option("--memory-slots", type=click.IntRange(0), default=None,
-              help="Memory slots of a hybrid MODEL for this run (default: as saved; 0: none).")
 @click.option("--filler", type=click.Path(dir_okay=False), default=None,
               help="A text file to fill the prompts with, instead of repeated sentences.")
 @click.option("--out", type=click.Path(file_okay=False), default=None,
               help="Folder for passkey.json and passkey.png (default: MODEL/eval).")
 @_scoring_options
 @_friendly
-def passkey(model, lengths, depths, trials, teacher, no_teacher, seed, memory_slots, filler, out, device, dtype,
+def passkey(model, lengths, depths, trials, teacher, no_teacher, seed, filler, out, device, dtype,
             trust_remote_code):
     """Passkey retrieval of MODEL and its teacher: a 5-digit key stated once in filler text, asked
     for at the end, answered by greedy decoding; accuracy by prompt length and key depth."""
@@ -273,7 +269,7 @@ def passkey(model, lengths, depths, trials, teacher, no_teacher, seed, memory_sl
 
     run_passkey(model, lengths=parse_contexts(lengths), depths=parse_depths(depths), trials=trials,
                 teacher=None if no_teacher else teacher, seed=seed, out=out, device=device, dtype=dtype,
-                trust_remote_code=trust_remote_code, memory_slots=memory_slots, filler=filler, log=click.echo)
+                trust_remote_code=trust_remote_code, filler=filler, log=click.echo)
 
 
 @main.command()

@@ -25,7 +25,7 @@ from glaswap.errors import GlaswapError
 from glaswap.longcontext import (by_absolute_position, format_by_position, one_pass_nll, plot_absolute,
                                  teacher_positions)
 from glaswap.runtime import (atomic_write, check_model_folder, load_student, load_teacher, load_tokenizer,
-                             pick_device, pick_dtype, set_memory_slots, teacher_source, versions)
+                             pick_device, pick_dtype, teacher_source, versions)
 from glaswap.scoring import token_kl, token_nll
 
 ROLES = ("student", "teacher", "stateful")
@@ -256,8 +256,7 @@ def _by_position(docs, context) -> dict:
 def evaluate(model_dir, texts, teacher: str = "auto", context: int = 512, stride: int | None = None,
              max_tokens: int | None = None, batch_size: int = 1, out=None, device: str = "auto",
              dtype: str = "auto", progress: bool = True, trust_remote_code: bool = False, log=print,
-             bos: bool = False, by_position: bool = False, first_bin: int = 1024,
-             memory_slots: int | None = None) -> dict:
+             bos: bool = False, by_position: bool = False, first_bin: int = 1024) -> dict:
     """Evaluate a glaswap model against its teacher on text files; returns every figure.
 
     teacher: "auto" (the source recorded in glaswap.json), "self" (the model's own softmax
@@ -270,8 +269,6 @@ def evaluate(model_dir, texts, teacher: str = "auto", context: int = 512, stride
     report both models' loss in doubling bins of absolute position, the first `first_bin` wide
     (glaswap.longcontext), with its own PNG.
     trust_remote_code: run Python code that the tokenizer's or the teacher's folder ships.
-    memory_slots: a hybrid student's config.memory_slots for this run (None: as saved); only the
-    stateful column reads with a cache, so only it uses them.
     """
     from tqdm.auto import tqdm
 
@@ -300,8 +297,6 @@ def evaluate(model_dir, texts, teacher: str = "auto", context: int = 512, stride
     docs = [Document(p, text, tok, max_tokens, context, stride, bos) for p, text in contents]
     student = load_student(model_dir, dev, dt)
     student.set_attention_mode("gla")
-    if memory_slots is not None:
-        set_memory_slots(student, memory_slots)
     teacher_model = None
     if t_kind != "self":
         log(f"loading teacher {t_desc.get('spec', t_path)}")

@@ -91,7 +91,7 @@ class _StaticStep:
         dtype = self.model.model.layers[0].self_attn.q_proj.weight.dtype
         k_r = torch.zeros(1, 1, cfg.num_key_value_heads, cfg.head_dim, dtype=dtype, device=dev)
         fk = torch.zeros(1, 1, state_heads(cfg), feature_dim(cfg), dtype=dtype, device=dev)
-        return empty_window_buffers(batch_size, cfg.window, cfg.sinks, k_r, fk, cfg.memory_slots)
+        return empty_window_buffers(batch_size, cfg.window, cfg.sinks, k_r, fk)
 
     def _alias(self, cache):
         """Point `cache` at the static buffers."""

@@ -26,7 +26,7 @@ import torch
 
 from glaswap.errors import GlaswapError
 from glaswap.runtime import (atomic_write, check_model_folder, load_student, load_teacher, load_tokenizer,
-                             pick_device, pick_dtype, set_memory_slots, teacher_source, versions)
+                             pick_device, pick_dtype, teacher_source, versions)
 
 INTRO = "There is a pass key hidden in this text. Find it and remember it, you will be asked for it."
 FILLER = " The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again."
@@ -90,20 +90,16 @@ def _cache_name(model) -> str:
 def greedy_answer(model, ids: list[int], device, steps: int = ANSWER_TOKENS, chunk: int = 4096,
                   recurrent: bool = True, key_ids: list[int] | None = None) -> tuple[list[int], float | None]:
     """(greedy continuation of `ids`, key_nats(...) of `key_ids` or None). recurrent: a GLA
-    student, prefilled `chunk` tokens at a time through its recurrent state (constant memory),
-    the prompt's last token read as a step of its own, so that it sees everything the state
-    and the memory slots (config.memory_slots) took from the rest; else a Hugging Face causal
-    LM with its own KV cache, prefilled in one forward."""
+    student, prefilled `chunk` tokens at a time through its recurrent state (constant memory);
+    else a Hugging Face causal LM with its own KV cache, prefilled in one forward."""
     x = torch.tensor([ids], device=device)
     name = _cache_name(model)
     if recurrent:
         from glaswap.models.modeling_glaswap import GLASwapCache
 
         cache = GLASwapCache(model.config.num_hidden_layers)
-        n = x.shape[1] - 1
-        spans = [(a, min(a + chunk, n)) for a in range(0, n, chunk)] + [(n, n + 1)]
-        for a, b in spans:
-            logits = model(input_ids=x[:, a:b], **{name: cache}, use_cache=True, logits_to_keep=1).logits
+        for a in range(0, x.shape[1], chunk):
+            logits = model(input_ids=x[:, a:a + chunk], **{name: cache}, use_cache=True, logits_to_keep=1).logits
     else:  # a Hugging Face causal LM with its KV cache
         out = model(input_ids=x, use_cache=True, logits_to_keep=1)
         cache, logits = out.past_key_values, out.logits
@@ -146,12 +142,10 @@ def _greedy_no_cache(model, ids, device, steps=ANSWER_TOKENS, key_ids=None):
 
 def passkey(model_dir, lengths=(1024, 2048, 4096, 8192, 16384, 32768), depths=(0.0, 0.25, 0.5, 0.75, 1.0),
             trials: int = 2, teacher: str = "auto", seed: int = 0, out=None, device: str = "auto",
-            dtype: str = "auto", trust_remote_code: bool = False, memory_slots: int | None = None,
-            filler=None, log=print) -> dict:
+            dtype: str = "auto", trust_remote_code: bool = False, filler=None, log=print) -> dict:
     """Passkey accuracy of MODEL and its teacher (teacher=None: the student alone) by length and
-    depth; writes JSON and a heatmap PNG to `out` (default MODEL/eval). memory_slots: the
-    student's config.memory_slots for this run (None: as saved). filler: a text file whose
-    tokens fill the prompt instead of the repeated FILLER sentences (each key at its own
+    depth; writes JSON and a heatmap PNG to `out` (default MODEL/eval). filler: a text file
+    whose tokens fill the prompts instead of the repeated FILLER sentences (each key at its own
     seeded place in the text)."""
     if trials < 1:
         raise GlaswapError(f"--trials {trials} must be at least 1")
@@ -165,8 +159,6 @@ def passkey(model_dir, lengths=(1024, 2048, 4096, 8192, 16384, 32768), depths=(0
     text_ids = _filler_ids(tok, filler) if filler is not None else None
     student = load_student(model_dir, dev, dt)
     student.set_attention_mode("gla")
-    if memory_slots is not None:
-        set_memory_slots(student, memory_slots)
     t_desc, teacher_model = None, None
     if teacher is not None:
         t_kind, t_path, t_desc = teacher_source(model_dir, meta, teacher)
@@ -188,10 +180,10 @@ def passkey(model_dir, lengths=(1024, 2048, 4096, 8192, 16384, 32768), depths=(0
             raise
         log(f"interrupted: keeping the {len(cells)} of {len(lengths) * len(depths)} cells measured")
         _write_passkey(_result(model_dir, t_desc, lengths, depths, trials, seed, dev, dt, cells, started, False,
-                               student, filler), model_dir, out, log)
+                               filler), model_dir, out, log)
         raise
     return _write_passkey(_result(model_dir, t_desc, lengths, depths, trials, seed, dev, dt, cells, started, True,
-                                  student, filler), model_dir, out, log)
+                                  filler), model_dir, out, log)
 
 
 def _filler_ids(tokenizer, path) -> list[int]:
@@ -237,10 +229,10 @@ def _run_cells(cells, student, teacher_model, tok, keys, lengths, depths, roles,
 
 
 def _result(model_dir, t_desc, lengths, depths, trials, seed, dev, dt, cells, started, complete: bool,
-            student, filler) -> dict:
+            filler) -> dict:
     """The JSON record; `complete` is False for a run stopped early (the cells it finished)."""
     return {"model": str(model_dir), "teacher": t_desc, "lengths": list(lengths), "depths": list(depths),
-            "trials": trials, "seed": seed, "memory_slots": int(student.config.memory_slots),
+            "trials": trials, "seed": seed,
             "filler": str(filler) if filler is not None else "repeated sentences",
             "device": str(dev), "dtype": str(dt).replace("torch.", ""),
             "cells": cells, "complete": complete, "seconds": round(time.time() - started, 2),
@@ -301,7 +293,6 @@ def format_passkey(result: dict) -> str:
     roles = [r for r in ("student", "teacher") if r in result["cells"][0]]
     lines = _table(result, roles, "accuracy", _fmt_accuracy)
     lines.append(f"passkey accuracy ({' / '.join(roles)}), {result['trials']} keys per cell, greedy"
-                 + (f"; {result['memory_slots']} memory slots" if result.get("memory_slots") else "")
                  + (f"; filler {result['filler']}" if result.get("filler", "repeated sentences") != "repeated sentences"
                     else "")
                  + ("" if result.get("complete", True) else "; interrupted, - = not measured"))

@@ -237,13 +237,3 @@ def versions() -> dict:
         except Exception:
             out[pkg] = None
     return out
-
-
-def set_memory_slots(model, slots: int):
-    """Give a loaded hybrid student `slots` memory slots (config.memory_slots) for what it reads next."""
-    if slots < 0:
-        raise GlaswapError(f"--memory-slots {slots} must be >= 0")
-    if slots and not model.config.window:
-        raise GlaswapError("memory slots need a hybrid model (converted with --window); this one is pure GLA: "
-                           "drop --memory-slots")
-    model.config.memory_slots = slots

@@ -30,11 +30,7 @@ VARIANTS = {
     "llama-qstate": ("llama", False, {"state_heads": "query"}),                     # a state per query head
     "llama-window": ("llama", False, {"window": 4, "sinks": 2}),                    # hybrid: exact window + sinks
     "qwen3-window-mix": ("qwen3", True, {"feature_map": "hedgehog_pm", "window": 3, "window_mix": "learned"}),
-    # hybrid with memory slots: reading with a cache differs from a whole-sequence forward
-    "llama-memory": ("llama", False, {"window": 4, "sinks": 2, "memory_slots": 3}),
 }
-# the variants whose cached reading equals a whole-sequence forward
-EXACT = [v for v, (_, _, opts) in VARIANTS.items() if not opts.get("memory_slots")]
 PAD = 0
 
 
@@ -86,7 +82,7 @@ def _greedy(model, ids, mask=None, n=12, **kw):
 
 # ----------------------------------------------------------------------------- recurrent cache
 @pytest.mark.compat
-@pytest.mark.parametrize("variant", EXACT)
+@pytest.mark.parametrize("variant", VARIANTS)
 def test_prefill_then_steps_match_full_forward(folders, variant):
     model = _load(folders[variant])
     ids, mask = _left_padded([list(range(5, 29)), list(range(40, 57))])    # 24 and 17 tokens
@@ -246,7 +242,7 @@ def test_hybrid_cache_is_constant_size(folders):
 
 
 @pytest.mark.compat
-@pytest.mark.parametrize("variant", EXACT)
+@pytest.mark.parametrize("variant", VARIANTS)
 def test_greedy_same_tokens_with_and_without_cache(folders, variant):
     model = _load(folders[variant])
     ids = _prompts()
@@ -257,7 +253,7 @@ def test_greedy_same_tokens_with_and_without_cache(folders, variant):
 
 
 @pytest.mark.compat
-@pytest.mark.parametrize("variant", ["llama", "qwen3-key", "llama-window", "qwen3-window-mix", "llama-memory"])
+@pytest.mark.parametrize("variant", ["llama", "qwen3-key", "llama-window", "qwen3-window-mix"])
 def test_left_padded_batch_matches_each_row_alone(folders, variant):
     model = _load(folders[variant])
     rows = [[7, 33, 91, 12, 5, 60, 61, 2, 99], [44, 18, 70], [3, 3, 120, 8, 17]]
@@ -318,7 +314,7 @@ print("same", torch.equal(cached, case["expected"]), torch.equal(uncached, case[
 
 
 # ----------------------------------------------------------------------------- decode graph (buffer logic)
-@pytest.mark.parametrize("variant", ["llama", "qwen2-scalar", "llama-window", "qwen3-window-mix", "llama-memory"])
+@pytest.mark.parametrize("variant", ["llama", "qwen2-scalar", "llama-window", "qwen3-window-mix"])
 def test_static_buffer_decode_matches_eager(folders, variant):
     """The graph path's static buffers, run eagerly ("replay"): the same logits, exactly."""
     model = _load(folders[variant])
@@ -336,7 +332,7 @@ def test_static_buffer_decode_matches_eager(folders, variant):
     assert torch.equal(beams, _greedy(model, ids, mask, num_beams=3, n=6))
 
 
-@pytest.mark.parametrize("variant", ["llama", "llama-window", "llama-memory"])
+@pytest.mark.parametrize("variant", ["llama", "llama-window"])
 def test_static_buffer_decode_keeps_interleaved_caches_apart(folders, variant):
     model = _load(folders[variant])
     prompts = [torch.tensor([[5, 9, 77, 3]]), torch.tensor([[100, 2, 31, 64, 8, 8]])]
@@ -433,7 +429,7 @@ def test_decode_graph_only_takes_what_it_can_serve(folders):
 # ----------------------------------------------------------------------------- decode graph on a GPU
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("variant", ["llama", "llama-window", "llama-memory"])
+@pytest.mark.parametrize("variant", ["llama", "llama-window"])
 def test_cuda_graph_decode_matches_eager_on_gpu(folders, dtype, variant):
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")

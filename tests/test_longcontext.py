@@ -14,6 +14,7 @@ from click.testing import CliRunner
 from helpers import converted_tiny, tiny_teacher
 from test_eval import ascii_tokenizer, sample_text
 
+import glaswap.passkey as passkey_mod
 from glaswap.cli import main
 from glaswap.errors import GlaswapError
 from glaswap.evaluate import evaluate
@@ -79,6 +80,37 @@ def test_passkey_prompt_puts_the_key_at_its_depth():
     assert "".join(map(chr, build_prompt(tok, 600, 0.0, "31415"))).index("31415") < 120
     with pytest.raises(GlaswapError, match="at least"):
         build_prompt(tok, 50, 0.5, "31415")
+
+
+def test_passkey_prompt_from_a_text_keeps_its_tokens_in_order_around_the_key():
+    tok = ascii_tokenizer()
+    text = [ord(c) for c in "abcdefghij" * 3]                    # 30 tokens, taken from offset 25 on, wrapping
+    for depth in (0.0, 0.5, 1.0):
+        ids = build_prompt(tok, 400, depth, "27182", text_ids=text, offset=25)
+        intro = tok(passkey_mod.INTRO)["input_ids"]
+        needle = tok(passkey_mod.NEEDLE.format(key="27182"), add_special_tokens=False)["input_ids"]
+        question = tok(passkey_mod.QUESTION, add_special_tokens=False)["input_ids"]
+        assert len(ids) == 400 and ids[:len(intro)] == intro and ids[-len(question):] == question
+        filler = ids[len(intro):len(ids) - len(question)]
+        at = next(i for i in range(len(filler)) if filler[i:i + len(needle)] == needle)
+        rest = filler[:at] + filler[at + len(needle):]
+        assert rest == [text[(25 + i) % 30] for i in range(len(rest))]          # the text, in order, unbroken
+        assert at == round(depth * len(rest))
+
+
+def test_cli_passkey_with_a_filler_text(folder, tmp_path):
+    text = tmp_path / "filler.txt"
+    text.write_text("Of that forbidden tree, whose mortal taste brought death into the world. " * 20)
+    r = CliRunner().invoke(main, ["passkey", str(folder), "--lengths", "200", "--depths", "0.5", "--trials", "2",
+                                  "--no-teacher", "--filler", str(text), "--out", str(tmp_path / "p")])
+    assert r.exit_code == 0, r.output
+    res = json.loads((tmp_path / "p" / "passkey.json").read_text())
+    assert res["filler"] == str(text) and res["cells"][0]["tokens"] == 200 and "filler" in r.output
+    for bad, needle in ((tmp_path / "none.txt", "cannot read --filler"), (tmp_path / "short.txt", "at least 64")):
+        if bad.name == "short.txt":
+            bad.write_text("too short")
+        r = CliRunner().invoke(main, ["passkey", str(folder), "--lengths", "200", "--no-teacher", "--filler", str(bad)])
+        assert r.exit_code != 0 and needle in r.output and "Traceback" not in r.output
 
 
 def test_passkey_table_and_grid_from_a_hand_made_result():

@@ -287,8 +287,7 @@ class GLAAttention(nn.Module):
         B, T = q.shape[:2]
         g = self._gate(x, k)
         if cfg.window:
-            exact = self._exact_inputs(q, k, v, position_embeddings,
-                                       turned=bool(cfg.sinks or (cfg.memory_slots and cache is not None)))
+            exact = self._exact_inputs(q, k, v, position_embeddings)
         k, v = self._per_state_head(k), self._per_state_head(v)
         cos, sin = position_embeddings if cfg.use_rope else (None, None)
         if cos is not None and cfg.rope_max_wavelength:
@@ -346,14 +345,14 @@ class GLAAttention(nn.Module):
     # trained positions it takes values the teacher never produced (measured: the one-pass
     # loss then climbs from 8K tokens on).
 
-    def _exact_inputs(self, q, k, v, position_embeddings, turned=True):
+    def _exact_inputs(self, q, k, v, position_embeddings):
         """(q_r, k_r, v, q_sink, k_sink): the teacher's rotated q and k for the window; for the
-        sinks and the memory (None without `turned`) the unrotated q and k turned back by W
-        steps, since rope_i(q) . rope_(i-W)(k) = q . rope_(-W)(k)."""
+        sinks (None without any) the unrotated q and k turned back by W steps, since
+        rope_i(q) . rope_(i-W)(k) = q . rope_(-W)(k)."""
         cfg = self.config
         cos, sin = position_embeddings
         q_r, k_r = rope(q, cos, sin, cfg.gla_backend), rope(k, cos, sin, cfg.gla_backend)
-        if not turned:
+        if not cfg.sinks:
             return q_r, k_r, v, None, None
         turn = self._sink_turn
         if turn is None or turn[0].device != cos.device or turn[0].dtype != cos.dtype:
@@ -367,8 +366,6 @@ class GLAAttention(nn.Module):
         cfg = self.config
         B, T = q.shape[:2]
         q_r, k_r, v_r, q_s, k_s = exact
-        if not cfg.sinks:
-            q_s = k_s = None
         if cu_seqlens is not None and B > 1:
             q, k, v, g, q_r, k_r, v_r, q_s, k_s = (None if t is None else t.reshape(1, B * T, *t.shape[2:])
                                                    for t in (q, k, v, g, q_r, k_r, v_r, q_s, k_s))
@@ -388,10 +385,9 @@ class GLAAttention(nn.Module):
         W, S = cfg.window, cfg.sinks
         B, T = q.shape[:2]
         q_r, k_r, v_r, q_s, k_s = exact
-        M = cfg.memory_slots if cache is not None else 0
         buf = cache.window_buffers(self.layer_idx) if cache is not None else None
         if buf is None:
-            buf = empty_window_buffers(B, W, S, k_r, k, M)
+            buf = empty_window_buffers(B, W, S, k_r, k)
         pos = torch.where(valid, pos.long(), -1)
         K, V = torch.cat([buf["k"], k_r], 1), torch.cat([buf["v"], v_r], 1)
         FK, P = torch.cat([buf["fk"], k], 1), torch.cat([buf["pos"], pos], 1)
@@ -409,11 +405,7 @@ class GLAAttention(nn.Module):
                                          normalizer=True)
         after = _advance_buffers(buf, K, V, FK, P, k_s, v_r, pos, W, S)
         # the sinks among the new tokens count too (each only for queries W or more later)
-        memory = _memory_rows(buf, k_s, T) if M else None
-        o_win, lse, memory = _window_over_buffer(q_r, q_s, K, V, P, after, pos, W, self.head_dim ** -0.5,
-                                                 block=MEMORY_BLOCK if M else 256, memory=memory)
-        if M:
-            after = _keep_memory(after, memory, W, T)
+        o_win, lse = _window_over_buffer(q_r, q_s, K, V, P, after, pos, W, self.head_dim ** -0.5)
         if cache is not None:
             cache.set_recurrent_state(self.layer_idx, new_state)
             cache.set_window_buffers(self.layer_idx, after)
@@ -438,65 +430,14 @@ def sink_rotation(config):
     return angle.cos() * scaling ** 2, -angle.sin() * scaling ** 2
 
 
-def empty_window_buffers(B, W, S, k_r, fk, M=0):
-    """The window, sink and memory buffers of a cache before any token: every position -1.
-    Keys: the last W tokens' rotated keys, values, feature-mapped keys and positions (k, v,
-    fk, pos) and the S sinks' turned keys (_exact_inputs), values and positions (sk, sv,
-    spos). With M memory slots also, for the window's tokens, their turned keys (tk) and the
-    most attention each has had so far (seen, [B, W, Hkv]), and per KV head the slots'
-    turned keys, values, positions and scores (mk, mv [B, M, Hkv, D], mpos, mscore)."""
-    Hkv = k_r.shape[2]
-    bufs = {"k": k_r.new_zeros(B, W, *k_r.shape[2:]), "v": k_r.new_zeros(B, W, *k_r.shape[2:]),
+def empty_window_buffers(B, W, S, k_r, fk):
+    """The window and sink buffers of a cache before any token: every position -1. Keys: the
+    last W tokens' rotated keys, values, feature-mapped keys and positions (k, v, fk, pos) and
+    the S sinks' turned keys (_exact_inputs), values and positions (sk, sv, spos)."""
+    return {"k": k_r.new_zeros(B, W, *k_r.shape[2:]), "v": k_r.new_zeros(B, W, *k_r.shape[2:]),
             "fk": fk.new_zeros(B, W, *fk.shape[2:]), "pos": torch.full((B, W), -1, device=k_r.device),
             "sk": k_r.new_zeros(B, S, *k_r.shape[2:]), "sv": k_r.new_zeros(B, S, *k_r.shape[2:]),
             "spos": torch.full((B, S), -1, device=k_r.device)}
-    if M:
-        bufs.update(tk=k_r.new_zeros(B, W, *k_r.shape[2:]),
-                    seen=torch.zeros(B, W, Hkv, device=k_r.device),
-                    mk=k_r.new_zeros(B, M, *k_r.shape[2:]), mv=k_r.new_zeros(B, M, *k_r.shape[2:]),
-                    mpos=torch.full((B, M, Hkv), -1, device=k_r.device),
-                    mscore=torch.full((B, M, Hkv), -math.inf, device=k_r.device))
-    return bufs
-
-
-# A prefill in one call updates the memory every MEMORY_BLOCK queries: a query sees the memory
-# as it stood at the start of its block (a decode step: as it stood before the step).
-MEMORY_BLOCK = 64
-
-
-def _memory_rows(buf, k_s, T):
-    """The memory slots and, for the rows of the window's concatenation with the new tokens,
-    their turned keys and the most attention each has drawn so far (-1 for the new ones)."""
-    B, _, Hkv = buf["seen"].shape
-    mem = {n: buf[n] for n in ("mk", "mv", "mpos", "mscore")}
-    mem["tk"] = torch.cat([buf["tk"], k_s], 1)                                  # [B, W + T, Hkv, D]
-    mem["seen"] = torch.cat([buf["seen"], buf["seen"].new_zeros(B, T, Hkv)], 1)  # [B, W + T, Hkv]
-    return mem
-
-
-def _remember(mem, V, P, a, b, S):
-    """Rows a .. b-1 of the concatenation have left the window: each takes the slot of its KV
-    head's lowest-scored memory token where it scores higher. A row's score is the largest
-    share of one query's exact attention it drew while in the window (over the KV head's
-    query heads): a key some head looked up on purpose (a copy, a reference) scores near 1,
-    one that collects a little from every query scores low. Sinks and padding never enter.
-    Fixed-shape ops, so a decode step stays capturable in a CUDA graph."""
-    M = mem["mpos"].shape[1]
-    pos = P[:, a:b, None].expand(-1, -1, mem["seen"].shape[2])                   # [B, n, Hkv]
-    score = torch.where(pos >= S, mem["seen"][:, a:b], -math.inf)
-    top, idx = torch.cat([mem["mscore"], score], 1).topk(M, dim=1)               # [B, M, Hkv]
-    take = idx[..., None].expand(-1, -1, -1, V.shape[-1])
-    mem["mk"] = torch.cat([mem["mk"], mem["tk"][:, a:b].to(mem["mk"].dtype)], 1).gather(1, take)
-    mem["mv"] = torch.cat([mem["mv"], V[:, a:b].to(mem["mv"].dtype)], 1).gather(1, take)
-    mem["mpos"] = torch.where(top > -math.inf, torch.cat([mem["mpos"], pos], 1).gather(1, idx), -1)
-    mem["mscore"] = top
-
-
-def _keep_memory(after, mem, W, T):
-    """The buffers after the call with the memory's slots and the window rows' turned keys and scores."""
-    last = (lambda t: t[:, -W:]) if T == 1 else (lambda t: t[:, -W:].clone())
-    return dict(after, tk=last(mem["tk"]), seen=last(mem["seen"]),
-                **{n: mem[n] for n in ("mk", "mv", "mpos", "mscore")})
 
 
 def _enter_state(x, W, S, cu_seqlens):
@@ -516,16 +457,14 @@ def _enter_state(x, W, S, cu_seqlens):
     return F.pad(x[:, :T - W], pad + [W, 0]) * ok
 
 
-def _window_over_buffer(q_r, q_s, K, V, P, buf, pos, W, scale, block=256, memory=None):
+def _window_over_buffer(q_r, q_s, K, V, P, buf, pos, W, scale, block=256):
     """Exact softmax of the T new queries over their last W keys in K/V [B, W + T, Hkv, D]
-    (positions P, -1 = none, scored with the rotated queries q_r), over the sink buffer's
-    keys (the new tokens' included) that have left the query's window, and over the memory
-    slots' keys (both scored with q_s): (o [B, T, H, D] in q's dtype, lse [B, T, H] float32,
-    and `memory` (_memory_rows) updated after every block of queries, or None). Plain
-    PyTorch, query blocks of `block`, so memory stays O(block x (W + block))."""
+    (positions P, -1 = none, scored with the rotated queries q_r) and over the sink buffer's
+    keys (the new tokens' included) that have left the query's window (scored with q_s):
+    (o [B, T, H, D] in q's dtype, lse [B, T, H] float32). Plain PyTorch, query blocks of
+    `block`, so memory stays O(block x (W + block))."""
     B, T, H, D = q_r.shape
-    Hkv = K.shape[2]
-    R = H // Hkv
+    R = H // K.shape[2]
     sk, sv, spos = buf["sk"], buf["sv"], buf["spos"]
     outs, lses = [], []
     for a in range(0, T, block):
@@ -540,33 +479,18 @@ def _window_over_buffer(q_r, q_s, K, V, P, buf, pos, W, scale, block=256, memory
         allowed = in_window[None] & (live[:, None, :] | (j == W + t)[None])        # a query sees itself
         s = scale * qb @ kk.transpose(-1, -2)
         s = s.masked_fill(~allowed[:, None], float("-inf"))
-        extra_s, extra_v = [], []
-        qs = q_s[:, a:b].float().transpose(1, 2) if q_s is not None else None
         if sk.shape[1]:
             ks = sk.float().transpose(1, 2).repeat_interleave(R, 1)
             vs = sv.float().transpose(1, 2).repeat_interleave(R, 1)
             # a sink counts here once it has left the query's window
             seen = (spos[:, None, :] >= 0) & (spos[:, None, :] <= pos[:, a:b, None] - W)   # [B, n, S]
-            extra_s.append((scale * qs @ ks.transpose(-1, -2)).masked_fill(~seen[:, None], float("-inf")))
-            extra_v.append(vs)
-        if memory is not None:   # its tokens have all left the window of every query of the block
-            mk = memory["mk"].float().transpose(1, 2).repeat_interleave(R, 1)                # [B, H, M, D]
-            mv = memory["mv"].float().transpose(1, 2).repeat_interleave(R, 1)
-            m_ok = (memory["mpos"] >= 0).transpose(1, 2).repeat_interleave(R, 1)[:, :, None] # [B, H, 1, M]
-            extra_s.append((scale * qs @ mk.transpose(-1, -2)).masked_fill(~m_ok, float("-inf")))
-            extra_v.append(mv)
-        n_extra = sum(e.shape[-1] for e in extra_s)
-        s, vv = torch.cat([*extra_s, s], -1), torch.cat([*extra_v, vv], -2)
+            qs = q_s[:, a:b].float().transpose(1, 2)
+            ss = (scale * qs @ ks.transpose(-1, -2)).masked_fill(~seen[:, None], float("-inf"))
+            s, vv = torch.cat([ss, s], -1), torch.cat([vs, vv], -2)
         lse = torch.logsumexp(s, -1)                                               # [B, H, n]
-        p = torch.exp(s - lse[..., None])
-        outs.append((p @ vv).transpose(1, 2))
+        outs.append((torch.exp(s - lse[..., None]) @ vv).transpose(1, 2))
         lses.append(lse.transpose(1, 2))
-        if memory is not None:
-            drew = p[..., n_extra:].amax(2).view(B, Hkv, R, -1).amax(2).transpose(1, 2)  # [B, keys, Hkv]
-            rows = memory["seen"][:, a + 1:W + b]          # memory["seen"] is this call's own tensor
-            torch.maximum(rows, drew, out=rows)
-            _remember(memory, V, P, a, b, S=int(spos.shape[1]))
-    return torch.cat(outs, 1).to(q_r.dtype), torch.cat(lses, 1), memory
+    return torch.cat(outs, 1).to(q_r.dtype), torch.cat(lses, 1)
 
 
 def _advance_buffers(buf, K, V, FK, P, k_s, v_r, pos, W, S):
@@ -585,7 +509,6 @@ def _advance_buffers(buf, K, V, FK, P, k_s, v_r, pos, W, S):
         new["spos"] = torch.where(got, torch.arange(S, device=pos.device).expand_as(got), buf["spos"])
     else:
         new.update(sk=buf["sk"], sv=buf["sv"], spos=buf["spos"])
-    new.update({n: buf[n] for n in ("mk", "mv", "mpos", "mscore") if n in buf})   # _update_memory's
     return new
 
 

@@ -40,13 +40,6 @@ GLA_OPTIONS = {
     # state's phi(q).phi(k) sums (a learned per-head weight on the state's); learned: a learned
     # per-head mix of the two normalised outputs.
     "window_mix": ("shared", ("shared", "learned")),
-    # Hybrid layers read with a cache (decoding, chunked prefill): besides the window and the
-    # sinks, each KV head keeps `memory_slots` older tokens, those that drew the largest share
-    # of one query's exact attention while in the window (looked up on purpose: a copy, a
-    # reference), and attends to their keys and values exactly, as to the sinks. A fixed
-    # number of slots, so memory stays constant in context. Whole-sequence forwards
-    # (training, windowed scoring) have none. 0: none.
-    "memory_slots": (0, int),
 }
 
 
@@ -78,14 +71,11 @@ def check_gla_options(opts):
     if horizon and not float(merged["gate_init_decay"]) < math.exp(-1.0 / horizon):
         raise ValueError(f"gate_init_decay {merged['gate_init_decay']} is not below exp(-1/decay_horizon) = "
                          f"{math.exp(-1.0 / horizon):.6f}; lower gate_init_decay or raise decay_horizon")
-    for name in ("window", "sinks", "memory_slots"):
+    for name in ("window", "sinks"):
         if isinstance(merged[name], bool) or not isinstance(merged[name], int) or merged[name] < 0:
             raise ValueError(f"invalid {name} {merged[name]!r}; expected a whole number >= 0")
     if merged["sinks"] and not merged["window"]:
         raise ValueError("sinks need a window: set window >= 1, or sinks to 0")
-    if merged["memory_slots"] and not merged["window"]:
-        raise ValueError("memory_slots need a window (the memory is attended with the window's softmax): set "
-                         "window >= 1, or memory_slots to 0")
     if merged["window"] and not merged["normalizer"]:
         raise ValueError("a window needs the normalizer (it shares the softmax's normalisation); turn the "
                          "normalizer on, or set window to 0")
@@ -136,7 +126,6 @@ class GLASwapConfig(PretrainedConfig):
         window=0,
         sinks=0,
         window_mix="shared",
-        memory_slots=0,
         **kwargs,
     ):
         self.vocab_size = vocab_size
@@ -172,7 +161,6 @@ class GLASwapConfig(PretrainedConfig):
         self.window = window
         self.sinks = sinks
         self.window_mix = window_mix
-        self.memory_slots = memory_slots
         check_gla_options({k: getattr(self, k) for k in GLA_OPTIONS})
         super().__init__(pad_token_id=pad_token_id, bos_token_id=bos_token_id, eos_token_id=eos_token_id,
                          tie_word_embeddings=tie_word_embeddings, **kwargs)
