@@ -62,7 +62,7 @@ def _store_dec(dec, slot, i_h, x, k0, Hkv: tl.constexpr, K: tl.constexpr, BK: tl
     tl.store(dec + (slot * Hkv + i_h) * K + rk, x, mask=rk < K)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["seg_len", "n_seg"])
 def _fwd_state_kernel(k, v, h0, ht, hbuf, dec, segend, cu_seqlens, chunk_offsets, seg_indices,
                       gbuf, T, seg_len, n_seg,
                       Hkv: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
@@ -155,7 +155,7 @@ def _fwd_state_kernel(k, v, h0, ht, hbuf, dec, segend, cu_seqlens, chunk_offsets
                     _store_col(ht + i_nh.to(tl.int64) * K * VU, b_z, k0, K, V, VU, BK)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["seg_len", "n_seg"])
 def _bwd_dh_kernel(q, do, dht, dh0, dhbuf, dec, segend, cu_seqlens, chunk_offsets, seg_indices,
                    gbuf, T, seg_len, n_seg, scale,
                    H: tl.constexpr, Hkv: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
@@ -265,7 +265,7 @@ def _bwd_dh_kernel(q, do, dht, dh0, dhbuf, dec, segend, cu_seqlens, chunk_offset
                 _store_col(fp, b_dz, k0, K, V, VU, BK)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["seg_len", "n_seg"])
 def _seg_combine_kernel(buf, dec, segend, hfinal, cu_seqlens, chunk_offsets, seg_offsets, T,
                         seg_len, n_seg,
                         Hkv: tl.constexpr, K: tl.constexpr, V: tl.constexpr, VU: tl.constexpr,
@@ -323,7 +323,7 @@ def _seg_combine_kernel(buf, dec, segend, hfinal, cu_seqlens, chunk_offsets, seg
         _store_state(hfinal + i_nh.to(tl.int64) * K * VU, b_h, k0, v0, K, VU, VU, BK, BV)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["seg_len"])
 def _seg_fixup_kernel(buf, dec, cu_seqlens, chunk_offsets, chunk_indices, T, seg_len,
                       Hkv: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
                       BK: tl.constexpr, BV: tl.constexpr, NK: tl.constexpr, NV: tl.constexpr,
