@@ -187,11 +187,12 @@ def passkey(model_dir, lengths=(1024, 2048, 4096, 8192, 16384, 32768), depths=(0
 
 
 def _filler_ids(tokenizer, path) -> list[int]:
-    path = Path(path)
+    from glaswap.evaluate import read_text_file
+
     try:
-        text = path.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as e:
-        raise GlaswapError(f"cannot read --filler {path} ({getattr(e, 'strerror', None) or e}); pass a UTF-8 text file")
+        text = read_text_file(path)
+    except GlaswapError as e:
+        raise GlaswapError(f"--filler: {e}") from None
     ids = tokenizer(text, add_special_tokens=False)["input_ids"]
     if len(ids) < 64:
         raise GlaswapError(f"--filler {path} has {len(ids)} tokens; pass a text of at least 64")
@@ -233,7 +234,7 @@ def _result(model_dir, t_desc, lengths, depths, trials, seed, dev, dt, cells, st
     """The JSON record; `complete` is False for a run stopped early (the cells it finished)."""
     return {"model": str(model_dir), "teacher": t_desc, "lengths": list(lengths), "depths": list(depths),
             "trials": trials, "seed": seed,
-            "filler": str(filler) if filler is not None else "repeated sentences",
+            "filler": str(filler) if filler is not None else None,   # None: the repeated FILLER sentences
             "device": str(dev), "dtype": str(dt).replace("torch.", ""),
             "cells": cells, "complete": complete, "seconds": round(time.time() - started, 2),
             "versions": versions()}
@@ -293,8 +294,7 @@ def format_passkey(result: dict) -> str:
     roles = [r for r in ("student", "teacher") if r in result["cells"][0]]
     lines = _table(result, roles, "accuracy", _fmt_accuracy)
     lines.append(f"passkey accuracy ({' / '.join(roles)}), {result['trials']} keys per cell, greedy"
-                 + (f"; filler {result['filler']}" if result.get("filler", "repeated sentences") != "repeated sentences"
-                    else "")
+                 + (f"; filler {result['filler']}" if result.get("filler") else "")
                  + ("" if result.get("complete", True) else "; interrupted, - = not measured"))
     if any("key_nats" in c[r] for c in result["cells"] for r in roles):
         lines += [""] + _table(result, roles, "key_nats", _fmt_nats)

@@ -106,7 +106,7 @@ def test_cli_passkey_with_a_filler_text(folder, tmp_path):
     assert r.exit_code == 0, r.output
     res = json.loads((tmp_path / "p" / "passkey.json").read_text())
     assert res["filler"] == str(text) and res["cells"][0]["tokens"] == 200 and "filler" in r.output
-    for bad, needle in ((tmp_path / "none.txt", "cannot read --filler"), (tmp_path / "short.txt", "at least 64")):
+    for bad, needle in ((tmp_path / "none.txt", "--filler: " + str(tmp_path / "none.txt") + " does not exist"), (tmp_path / "short.txt", "at least 64")):
         if bad.name == "short.txt":
             bad.write_text("too short")
         r = CliRunner().invoke(main, ["passkey", str(folder), "--lengths", "200", "--no-teacher", "--filler", str(bad)])
