@@ -1,4 +1,4 @@
-"""Stage 2's vocabulary loss on one GPU: glaswap's chunked torch path against liger-kernel.
+"""Stage 2's vocabulary loss on one GPU: glaswap's torch and Triton paths against liger-kernel.
 
 The loss is glaswap's `kd_loss`: mean over tokens of T^2 KL(teacher || student) plus
 ce_weight x the next-token cross-entropy, from final hidden states and the shared lm_head.
@@ -7,11 +7,14 @@ times forward+backward (median of --reps after --warmup calls, CUDA events) and 
 the peak memory above the inputs of:
 
   torch@C   glaswap's torch path, loss_chunk_tokens C (each chunk checkpointed)
-  liger@C   glaswap's liger path: liger-kernel's fused linear JSD at beta 0 (forward KL)
-            with its hard cross-entropy, chunks of C tokens, torch.compile'd
-  triton    liger-kernel's Triton fused linear JSD (KL only) plus, when ce_weight > 0, its
-            fused linear cross-entropy: not a glaswap path, a row to see whether it would win
-            (without autocast: it takes float32 logits from the GEMM itself)
+  triton@C  glaswap's Triton path (glaswap_kernels.kd_loss_triton): cuBLAS logits, one
+            kernel for the loss and its gradient, chunks of C tokens
+  liger@C   liger-kernel's chunked fused linear JSD at beta 0 (forward KL) with its hard
+            cross-entropy, chunks of C tokens, torch.compile'd, extended to glaswap's loss
+            (every token's KL, in float32, over all tokens)
+  liger-triton  liger-kernel's Triton fused linear JSD (KL only) plus, when ce_weight > 0,
+            its fused linear cross-entropy: not a glaswap path, a row to see whether it would
+            win (without autocast: it takes float32 logits from the GEMM itself)
 
 Each row is first checked against the same loss in float32 (relative error of the loss,
 relative RMS error of the gradient of the student's hidden states, and of the head with
@@ -96,7 +99,31 @@ def loss_inputs(batch, seq, train_head, seed=0):
     return (h_s.bfloat16().requires_grad_(), h_t.bfloat16(), w.bfloat16().requires_grad_(train_head), labels)
 
 
-def triton_kd(h_s, h_t, w, labels, ce_weight, temperature):
+def _liger_chunked():
+    """liger-kernel's chunked fused linear JSD, made to give glaswap's loss exactly.
+
+    At beta 0 liger's JSD is KL(teacher || student). Liger leaves the KL of tokens labelled
+    -100 out and takes the log-softmax in the logits' dtype; glaswap keeps every token's KL
+    and takes it in float32, so the per-chunk KL gets no labels and float32 logits. The
+    cross-entropy still skips unlabelled tokens."""
+    from liger_kernel.chunked_loss.jsd_loss import LigerFusedLinearJSDFunction
+
+    class EveryTokenKL(LigerFusedLinearJSDFunction):
+        @staticmethod
+        def distillation_loss_fn(student_logits, teacher_logits, beta=0.0, target=None, ignore_index=-100):
+            return LigerFusedLinearJSDFunction.distillation_loss_fn(student_logits.float(), teacher_logits.float(),
+                                                                    beta=beta)
+    return EveryTokenKL
+
+
+def liger_kd(h_s, h_t, w, labels, ce_weight, temperature, chunk):
+    """glaswap's kd_loss (mean over all tokens) through liger's chunked function."""
+    loss = _liger_chunked().apply(h_s, w, h_t, w, labels, None, None, float(ce_weight), float(temperature) ** 2,
+                                  0.0, -100, float(temperature), h_s.is_cuda, chunk, False)
+    return loss * (labels != -100).sum().clamp_min(1) / h_s.shape[0]  # liger divides by labelled tokens
+
+
+def liger_triton_kd(h_s, h_t, w, labels, ce_weight, temperature):
     """glaswap's loss from liger-kernel's Triton ops: the fused linear JSD at beta 0 without
     labels (KL over every token, divided by all tokens) and the fused linear cross-entropy."""
     from liger_kernel.transformers.functional import liger_fused_linear_cross_entropy, liger_fused_linear_jsd
@@ -123,15 +150,19 @@ def loss_rows(args, liger_ok):
             ref_grads = torch.autograd.grad(ref_loss, [t for t in ref_in if t.requires_grad])
             del ref_in
             variants = [(f"torch@{c}", "torch", c) for c in args.torch_chunks]
+            variants += [(f"triton@{c}", "triton", c) for c in args.triton_chunks]
             if liger_ok:
-                variants += [(f"liger@{c}", "liger", c) for c in args.liger_chunks] + [("triton", "triton", 0)]
+                variants += [(f"liger@{c}", "liger", c) for c in args.liger_chunks]
+                variants += [("liger-triton", "liger-triton", 0)]
             for name, impl, chunk in variants:
                 def step():
                     for t in trained:
                         t.grad = None
-                    with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast and impl != "triton"):
-                        if impl == "triton":
-                            loss = triton_kd(h_s, h_t, w, labels, ce_weight, args.temperature)
+                    with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast and impl != "liger-triton"):
+                        if impl == "liger-triton":
+                            loss = liger_triton_kd(h_s, h_t, w, labels, ce_weight, args.temperature)
+                        elif impl == "liger":
+                            loss = liger_kd(h_s, h_t, w, labels, ce_weight, args.temperature, chunk)
                         else:
                             loss = kd_loss(h_s, h_t, w, labels, ce_weight, args.temperature, chunk, impl=impl)
                     loss.backward()
@@ -141,7 +172,7 @@ def loss_rows(args, liger_ok):
                     loss = step()  # compiles where it compiles; also the values checked
                 except Exception as e:  # one failing variant (out of memory, an op refused) leaves the rest
                     why = f"{type(e).__name__}: {str(e).splitlines()[0]}"
-                    print(f"{shape:>8} {ce_weight:4g} {name:>11} | failed: {why}", flush=True)
+                    print(f"{shape:>8} {ce_weight:4g} {name:>12} | failed: {why}", flush=True)
                     torch.cuda.empty_cache()
                     continue
                 grads = [t.grad.clone() for t in trained]
@@ -167,7 +198,7 @@ def print_loss_row(row, rows):
     # are close; a row is as good as the first (torch) row when its errors are no worse
     slack = {"loss_rel_err": 1e-4, "grad_h_rel_err": 1e-3, "grad_w_rel_err": 1e-3}
     ok = all(row[k] <= 1.5 * base[k] + slack[k] for k in slack if k in row)
-    print(f"{row['batch']:>8} {row['ce_weight']:4g} {row['impl']:>11} | {row['ms']:8.2f} {base['ms'] / row['ms']:6.2f}x"
+    print(f"{row['batch']:>8} {row['ce_weight']:4g} {row['impl']:>12} | {row['ms']:8.2f} {base['ms'] / row['ms']:6.2f}x"
           f" {row['peak_gib']:7.2f} | {row['loss']:10.5f} {row['loss_rel_err']:9.2e} {row['grad_h_rel_err']:9.2e}"
           f"{head} {'as torch' if ok else 'WORSE'}", flush=True)
 
@@ -233,6 +264,7 @@ def main(argv=None):
     ap.add_argument("--ce-weights", type=lambda s: [float(x) for x in s.split(",")], default=[0.0, 0.5])
     ap.add_argument("--temperature", type=float, default=1.0)
     ap.add_argument("--torch-chunks", type=lambda s: [int(x) for x in s.split(",")], default=[4096, 8192])
+    ap.add_argument("--triton-chunks", type=lambda s: [int(x) for x in s.split(",")], default=[2048, 4096, 8192])
     ap.add_argument("--liger-chunks", type=lambda s: [int(x) for x in s.split(",")], default=[1024, 4096])
     ap.add_argument("--train-head", action="store_true", help="the head trains too (its gradient checked and timed)")
     ap.add_argument("--no-autocast", action="store_true")
@@ -247,11 +279,15 @@ def main(argv=None):
         os.environ.setdefault("TRITON_INTERPRET", "1")  # before liger-kernel defines its kernels
         DEVICE, HIDDEN, VOCAB, INTERMEDIATE = "cpu", 64, 1000, 256
         args.batches, args.torch_chunks, args.liger_chunks = ["2x64"], [32, 64], [32]
+        args.triton_chunks = [48]
     elif not torch.cuda.is_available():
         print("needs a CUDA GPU (or --dry-run)", file=sys.stderr)
         return 2
-    from glaswap.distill.losses import liger_missing
-    why = liger_missing()
+    try:
+        import liger_kernel  # noqa: F401  (optional: the comparison rows)
+        why = None
+    except Exception as e:
+        why = f"{type(e).__name__}: {(str(e).splitlines() or [''])[0]}"
     import triton
     versions = f"torch {torch.__version__}, triton {triton.__version__}"
     if why:
@@ -265,7 +301,7 @@ def main(argv=None):
     print("# ms: forward+backward median; x: the first row's ms / this row's; peak: GiB above the inputs;"
           " errors against float32; 'as torch': errors no worse than the first row's")
     head = " grad_w err" if args.train_head else ""
-    print(f"{'batch':>8} {'ce':>4} {'impl':>11} | {'ms':>8} {'x':>7} {'peak':>7} | {'loss':>10} {'loss err':>9}"
+    print(f"{'batch':>8} {'ce':>4} {'impl':>12} | {'ms':>8} {'x':>7} {'peak':>7} | {'loss':>10} {'loss err':>9}"
           f" {'grad_h err':>9}{head}")
     # liger's chunks compile once per chunk shape and weights, each static (as in a training run,
     # which has one of each): no dynamic-shape recompile, and room for every variant here

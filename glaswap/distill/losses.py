@@ -7,16 +7,19 @@ give the same value:
 - torch: a chunk of tokens at a time from the final hidden states, each chunk under
   activation checkpointing (only the hidden states stay in memory; the backward computes
   the chunk's logits again). Runs anywhere.
-- liger: liger-kernel's fused linear distillation loss (`pip install liger-kernel`), which
-  takes each chunk's gradient during the forward, so the logits are never computed twice
-  (it also computes the head's gradient, whether the head trains or not).
+- triton: glaswap's fused loss (`glaswap_kernels.kd_loss_triton`): per chunk, both logits
+  from cuBLAS in bf16 and one Triton kernel for the log-sum-exps, the KL, the cross-entropy
+  and their gradient in closed form, written over the student's logits; the gradient of the
+  hidden states is taken in the forward, so the logits are made once, and the head's only
+  when the head trains.
 
-`stage2.loss_impl` picks one; auto takes liger for CUDA tensors when it imports.
+`stage2.loss_impl` picks one; auto takes triton for CUDA tensors.
 """
 
 from __future__ import annotations
 
 import functools
+import os
 
 import torch
 import torch.nn.functional as F
@@ -25,7 +28,7 @@ from torch.utils.checkpoint import checkpoint
 from glaswap.distill.student import adapters_off
 from glaswap.errors import GlaswapError
 
-LOSS_IMPLS = ("auto", "torch", "liger")
+LOSS_IMPLS = ("auto", "torch", "triton")
 
 
 def next_token_labels(input_ids: torch.Tensor, cu_seqlens: torch.Tensor | None) -> torch.Tensor:
@@ -75,69 +78,41 @@ def _torch_kd(h_student, h_teacher, weight, labels, ce_weight, temperature, chun
     return total / n
 
 
-# ----------------------------------------------------------------------------- liger-kernel
 @functools.cache
-def _load_liger():
-    """(liger's distillation function as glaswap calls it, None), or (None, why it did not import)."""
+def _load_triton():
+    """(glaswap's fused loss, None), or (None, why Triton's kernel cannot run)."""
     try:
-        from liger_kernel.chunked_loss.jsd_loss import LigerFusedLinearJSDFunction
-    except Exception as e:  # not installed, or installed without a working Triton
+        from glaswap_kernels.kd_loss_triton import fused_kd_loss
+    except Exception as e:  # no Triton, or one too old for the kernel
         return None, f"{type(e).__name__}: {(str(e).splitlines() or [''])[0]}"
-
-    class EveryTokenKL(LigerFusedLinearJSDFunction):
-        """Liger's JSD at beta 0, which is KL(teacher || student), over every token, in float32.
-
-        Liger leaves the KL of tokens whose label is -100 out; glaswap's loss keeps them (the
-        teacher's distribution there is still worth matching), so the per-chunk KL gets no
-        labels. The cross-entropy still skips those tokens. Liger takes the log-softmax in the
-        logits' dtype (bf16 outside CUDA autocast); in float32, as the torch path does, the
-        loss and gradient keep the precision of the bf16 logits themselves."""
-
-        @staticmethod
-        def distillation_loss_fn(student_logits, teacher_logits, beta=0.0, target=None, ignore_index=-100):
-            return LigerFusedLinearJSDFunction.distillation_loss_fn(student_logits.float(), teacher_logits.float(),
-                                                                    beta=beta)
-
-    return EveryTokenKL, None
-
-
-def liger_missing() -> str | None:
-    """Why liger-kernel cannot be used here (one line), or None when it imports."""
-    return _load_liger()[1]
+    return fused_kd_loss, None
 
 
 def resolve_loss_impl(impl: str, device) -> str:
-    """"torch" or "liger" for `stage2.loss_impl` = impl and tensors on `device`."""
+    """"torch" or "triton" for `stage2.loss_impl` = impl and tensors on `device`."""
     if impl not in LOSS_IMPLS:
         raise GlaswapError(f"stage2.loss_impl is {impl!r}; choose {', '.join(LOSS_IMPLS)}")
-    if impl == "torch" or (impl == "auto" and torch.device(device).type != "cuda"):
+    on_gpu = torch.device(device).type == "cuda"
+    if impl == "torch" or (impl == "auto" and not on_gpu):
         return "torch"
-    why = liger_missing()
-    if impl == "liger" and why:
-        raise GlaswapError(f"stage2.loss_impl is liger but liger-kernel does not import ({why}); "
-                           f"pip install liger-kernel, or set stage2.loss_impl=torch")
-    return "torch" if why else "liger"
+    why = _load_triton()[1]
+    interpreted = os.environ.get("TRITON_INTERPRET") == "1"
+    if impl == "triton" and (why or not (on_gpu or interpreted)):
+        raise GlaswapError(f"stage2.loss_impl is triton but {why or 'the tensors are not on a GPU'}; "
+                           "set stage2.loss_impl=torch")
+    return "torch" if why else "triton"
 
 
-def _liger_kd(h_student, h_teacher, weight, labels, ce_weight, temperature, chunk_tokens, parts):
-    """kd_loss by liger-kernel's fused loss, chunks of chunk_tokens tokens."""
-    fn = _load_liger()[0]
+def _triton_kd(h_student, h_teacher, weight, labels, ce_weight, temperature, chunk_tokens, parts):
+    """kd_loss by glaswap's fused Triton loss, chunks of chunk_tokens tokens."""
     n = h_student.shape[0]
-    apart = parts is not None and bool(ce_weight)  # the terms apart cost nothing once CE is computed
-    # Liger's loss: ce_weight * CE + T^2 * KL, both summed over chunks of chunk_tokens and
-    # divided by the tokens that have a label; torch.compile fuses each chunk on CUDA.
-    out = fn.apply(h_student, weight, h_teacher.detach(), weight, labels,
-                   None, None,                                   # no biases
-                   float(ce_weight), float(temperature) ** 2,    # hard and soft weights
-                   0.0, -100, float(temperature),                # beta (forward KL), ignore_index, T
-                   h_student.is_cuda, chunk_tokens, apart)       # compiled, chunk size, terms apart
-    loss, kl, ce = out if apart else (out, None, None)
-    per_token = (labels != -100).sum().clamp_min(1) / n  # ... and glaswap's divides by all tokens
+    total, kl, ce = _load_triton()[0](h_student, h_teacher.detach(), weight, labels, ce_weight, temperature,
+                                      chunk_tokens)
     if parts is not None:
-        parts["kl"] = (kl * temperature ** 2 if apart else loss).detach() * per_token
+        parts["kl"] = kl / n
         if ce_weight:
-            parts["ce"] = ce.detach() * per_token
-    return loss * per_token
+            parts["ce"] = ce / n
+    return total / n
 
 
 def kd_loss(h_student, h_teacher, lm_head_weight, labels, ce_weight=0.0, temperature=1.0, chunk_tokens=4096,
@@ -148,12 +123,13 @@ def kd_loss(h_student, h_teacher, lm_head_weight, labels, ce_weight=0.0, tempera
     teacher's and the student's). The KL, at temperature T, is scaled by T^2 and covers every
     token; the cross-entropy skips labels of -100. `parts`, when given, receives the two terms
     apart (detached means over the same tokens, the cross-entropy unweighted and only when
-    ce_weight is set), for the metrics log. `impl`: auto, torch or liger (module docstring);
+    ce_weight is set), for the metrics log. `impl`: auto, torch or triton (module docstring);
     without gradients to compute it is always torch, whose forward alone is the cheaper.
     """
     use = resolve_loss_impl(impl, h_student.device)
-    if use == "liger" and torch.is_grad_enabled() and h_student.requires_grad:
-        return _liger_kd(h_student, h_teacher, lm_head_weight, labels, ce_weight, temperature, chunk_tokens, parts)
+    grads = torch.is_grad_enabled() and h_student.requires_grad
+    if use == "triton" and grads:
+        return _triton_kd(h_student, h_teacher, lm_head_weight, labels, ce_weight, temperature, chunk_tokens, parts)
     return _torch_kd(h_student, h_teacher, lm_head_weight, labels, ce_weight, temperature, chunk_tokens, parts)
 
 

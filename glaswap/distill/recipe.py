@@ -8,7 +8,6 @@ output folder, so a run can be repeated from it.
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import math
 import typing
 from dataclasses import dataclass, field
@@ -88,7 +87,7 @@ class Stage2:
     ce_weight: float = 0.0
     kd_temperature: float = 1.0
     loss_chunk_tokens: int = 4096   # the vocabulary projection runs this many tokens at a time
-    loss_impl: str = "auto"         # auto (liger on CUDA when it imports, else torch) | torch | liger
+    loss_impl: str = "auto"         # auto (triton on CUDA, else torch) | torch | triton
 
 
 @dataclass
@@ -250,9 +249,7 @@ def _check_values(r: Recipe):
     need(r.stage2.kd_temperature > 0, "stage2.kd_temperature", "must be > 0")
     need(r.stage2.lora_alpha > 0, "stage2.lora_alpha", "must be > 0")
     need(r.stage2.loss_chunk_tokens >= 1, "stage2.loss_chunk_tokens", "must be >= 1")
-    need(r.stage2.loss_impl in ("auto", "torch", "liger"), "stage2.loss_impl", "choose auto, torch or liger")
-    need(r.stage2.loss_impl != "liger" or importlib.util.find_spec("liger_kernel") is not None,
-         "stage2.loss_impl", "liger needs liger-kernel: pip install liger-kernel (or choose auto or torch)")
+    need(r.stage2.loss_impl in ("auto", "torch", "triton"), "stage2.loss_impl", "choose auto, torch or triton")
     need(len(r.stage2.lora_targets) > 0, "stage2.lora_targets", "name at least one module")
     need(r.train.device in ("auto", "cpu", "cuda"), "train.device", "choose auto, cpu or cuda")
     need(r.train.dtype in ("auto", "bfloat16", "float32"), "train.dtype", "choose auto, bfloat16 or float32")
