@@ -5,7 +5,9 @@ q/k/v/o) and each batch (8 x 2048, 1 x 16384 tokens) it times, with CUDA events:
   teacher   the teacher's LoRA step with SDPA (forward, cross-entropy, backward, AdamW)
   student   the same step for the converted GLA model (Triton kernels)
   distill   glaswap's stage-2 step: teacher forward (adapters off, softmax) + student
-            forward/backward + KL on logits + AdamW
+            forward/backward + KL on logits + AdamW (one row per --loss-impls entry and
+            --layers entry: the student's RMSNorms and MLPs fused as glaswap distill runs
+            them on a GPU, or eager)
 and prints one table: median ms, tokens/s, peak GiB, and student/teacher speed ratio. The
 three steps are timed in interleaved rounds (see `measure`).
 
@@ -83,12 +85,26 @@ def ce_step(model, ids, opt):
     opt.zero_grad(set_to_none=True)
 
 
-def distill_step(student, ids, opt):
+def set_fused(student, fused: bool):
+    """The student's RMSNorms and MLPs on liger-kernel's fused kernels (as `glaswap distill`
+    sets them up on a GPU), or back on their PyTorch forward."""
+    from glaswap.distill.student import fuse_layers
+    from glaswap.layers.gla_attention import RMSNorm
+    from glaswap.models.modeling_glaswap import MLP
+    if fused:
+        return fuse_layers(student)
+    for m in student.modules():
+        if isinstance(m, (RMSNorm, MLP)):
+            m.__dict__.pop("forward", None)
+    return 0
+
+
+def distill_step(student, ids, opt, loss_impl="auto"):
     from glaswap.distill.losses import kd_step
     from glaswap.distill.recipe import Stage2
 
     with torch.autocast("cuda", dtype=torch.bfloat16):
-        loss = kd_step(student, {"input_ids": ids, "cu_seqlens": None}, Stage2())
+        loss = kd_step(student, {"input_ids": ids, "cu_seqlens": None}, Stage2(loss_impl=loss_impl))
     loss.backward()
     opt.step()
     opt.zero_grad(set_to_none=True)
@@ -156,6 +172,10 @@ def main():
                     help="a GLA option of the student, e.g. feature_map=hedgehog_pm")
     ap.add_argument("--peft-casts", action="store_true",
                     help="keep peft's float32 casts of LoRA inputs (glaswap distill skips them under autocast)")
+    ap.add_argument("--layers", default="fused",
+                    help="the distill step's RMSNorm and MLP: fused, eager, or both (fused,eager): one row each")
+    ap.add_argument("--loss-impls", default="auto",
+                    help="stage2.loss_impl of the distill step, comma-separated: one row each (e.g. triton,torch)")
     ap.add_argument("--set", action="append", metavar="KEY=VALUE",
                     help="feature-map launch key, as in bench_feature_map.py "
                          "(e.g. BN=64)")
@@ -171,18 +191,26 @@ def main():
         for B, T in BATCHES:
             ids = torch.randint(0, SHAPES[shape]["vocab_size"], (B, T), device="cuda")
             steps = {"teacher": lambda: ce_step(teacher, ids, opt_t),
-                     "student": lambda: ce_step(peft_student, ids, opt_s),
-                     "distill": lambda: distill_step(student, ids, opt_s)}
+                     "student": lambda: (set_fused(student, False), ce_step(peft_student, ids, opt_s))}
+            impls, layers = args.loss_impls.split(","), args.layers.split(",")
+            for impl in impls:
+                for lay in layers:
+                    name = "distill" + (f":{impl}" if len(impls) > 1 else "") + (f":{lay}" if len(layers) > 1 else "")
+
+                    def step(impl=impl, fused=lay == "fused"):
+                        set_fused(student, fused)
+                        distill_step(student, ids, opt_s, impl)
+                    steps[name] = step
             for name, (ms, peak) in measure(steps, args.reps, not args.sequential).items():
                 rows.append(dict(shape=shape, B=B, T=T, step=name, ms=ms, tok_s=B * T / ms * 1e3, peak_gib=peak))
                 print(json.dumps(rows[-1]), flush=True)
             torch.cuda.empty_cache()
         del teacher, student, peft_student, opt_t, opt_s
         torch.cuda.empty_cache()
-    print(f"\n{'shape':14} {'B x T':>10} {'step':8} {'ms':>8} {'tok/s':>9} {'GiB':>6} {'vs teacher':>10}")
+    print(f"\n{'shape':14} {'B x T':>10} {'step':14} {'ms':>8} {'tok/s':>9} {'GiB':>6} {'vs teacher':>10}")
     for r in rows:
         base = next(x for x in rows if x["shape"] == r["shape"] and x["T"] == r["T"] and x["step"] == "teacher")
-        print(f"{r['shape']:14} {r['B']:>3} x {r['T']:<5} {r['step']:8} {r['ms']:8.1f} {r['tok_s']:9,.0f} "
+        print(f"{r['shape']:14} {r['B']:>3} x {r['T']:<5} {r['step']:14} {r['ms']:8.1f} {r['tok_s']:9,.0f} "
               f"{r['peak_gib']:6.1f} {base['ms'] / r['ms']:9.2f}x")
     if args.json:
         with open(args.json, "w") as fh:

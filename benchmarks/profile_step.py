@@ -34,6 +34,8 @@ def main():
                     help="which steps to profile, comma-separated (teacher, student, distill)")
     ap.add_argument("--option", action="append", metavar="KEY=VALUE", default=[],
                     help="a GLA option of the student, e.g. window=128 (as in bench_distill.py)")
+    ap.add_argument("--layers", default="fused", choices=["fused", "eager"],
+                    help="the distill step's RMSNorms and MLPs: fused as `glaswap distill` runs them on a GPU, or eager")
     args = ap.parse_args()
     bench_distill.apply_overrides(args.set)
     from glaswap.distill.recipe import parse_override
@@ -46,8 +48,9 @@ def main():
     opt_s = torch.optim.AdamW([p for p in student.parameters() if p.requires_grad], lr=1e-5)
     ids = torch.randint(0, bench_distill.SHAPES[args.shape]["vocab_size"], (B, T), device="cuda")
     steps = {"teacher": lambda: bench_distill.ce_step(teacher, ids, opt_t),
-             "student": lambda: bench_distill.ce_step(peft_student, ids, opt_s),
-             "distill": lambda: bench_distill.distill_step(student, ids, opt_s)}
+             "student": lambda: (bench_distill.set_fused(student, False), bench_distill.ce_step(peft_student, ids, opt_s)),
+             "distill": lambda: (bench_distill.set_fused(student, args.layers == "fused"),
+                                 bench_distill.distill_step(student, ids, opt_s))}
     chosen = args.steps.split(",")
     unknown = set(chosen) - set(steps)
     if unknown:

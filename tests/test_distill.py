@@ -171,6 +171,93 @@ def test_lora_inputs_in_compute_dtype_changes_nothing_under_autocast():
         torch.testing.assert_close(grads_b[name], grads_a[name], rtol=0, atol=0, msg=name)
 
 
+def _tiny_student(arch="qwen3"):
+    from helpers import tiny_teacher
+
+    from glaswap.convert import glaswap_config
+    teacher = tiny_teacher(arch)
+    student = GLASwapForCausalLM(glaswap_config(teacher.config.to_dict(), {}))
+    student.load_state_dict(teacher.state_dict(), strict=False)
+    return student
+
+
+def test_fuse_layers_routes_every_norm_and_mlp_through_the_fused_ops(monkeypatch):
+    """fuse_layers sends each RMSNorm (the layers', Qwen3's q/k norms, the final one) and each
+    gated MLP through the two fused functions with Llama's arguments; with functions that
+    compute what PyTorch does, logits and gradients do not change. (liger-kernel's own kernels
+    need a GPU: test_fused_layers_match_eager_on_the_gpu.)"""
+    import torch.nn.functional as F
+
+    from glaswap.distill import student as S
+    from glaswap.layers.gla_attention import RMSNorm
+    from glaswap.models.modeling_glaswap import MLP
+
+    calls = {"rms": 0, "mul": 0}
+
+    class Rms:
+        @staticmethod
+        def apply(x, w, eps, offset, mode, in_place):
+            calls["rms"] += 1
+            assert (offset, mode, in_place) == (0.0, "llama", False)
+            xf = x.float()
+            return w * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+    class SiluMul:
+        @staticmethod
+        def apply(a, b):
+            calls["mul"] += 1
+            return F.silu(a) * b
+
+    lm = _tiny_student()
+    ids = torch.arange(29)[None] % 128
+
+    def run():
+        lm.zero_grad(set_to_none=True)
+        logits = lm(input_ids=ids).logits
+        logits.square().mean().backward()
+        return logits.detach(), {n: p.grad.clone() for n, p in lm.named_parameters() if p.grad is not None}
+
+    if sys.platform == "linux":                            # a dependency there: its import paths hold
+        assert not isinstance(S._liger_ops(), str), S._liger_ops()
+    want, want_grads = run()
+    monkeypatch.setattr(S, "_liger_ops", lambda: "ModuleNotFoundError: No module named 'liger_kernel'")
+    with pytest.warns(UserWarning, match="liger-kernel cannot be imported .*No module named"):
+        assert S.fuse_layers(lm) == 0                      # without liger-kernel nothing changes
+    monkeypatch.setattr(S, "_liger_ops", lambda: (Rms, SiluMul))
+    modules = [m for m in lm.modules() if isinstance(m, (RMSNorm, MLP))]
+    n_norms = sum(isinstance(m, RMSNorm) for m in modules)
+    assert n_norms == 2 * 2 + 2 * 2 + 1                   # per layer: 2 norms, q and k norms; final
+    assert S.fuse_layers(lm) == len(modules)
+    got, got_grads = run()
+    assert calls == {"rms": n_norms, "mul": 2}
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    assert got_grads.keys() == want_grads.keys()
+    for name in want_grads:
+        torch.testing.assert_close(got_grads[name], want_grads[name], rtol=0, atol=0, msg=name)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_fused_layers_match_eager_on_the_gpu():
+    """liger-kernel's RMSNorm and SiLU-multiply kernels in a bf16 student under autocast:
+    logits and LoRA-free parameter gradients within bf16 rounding of the eager modules."""
+    from glaswap.distill.student import fuse_layers
+
+    lm = _tiny_student().to("cuda", torch.bfloat16)
+    ids = torch.arange(300, device="cuda")[None] % 128
+    out = {}
+    for fused in (False, True):
+        if fused:
+            assert fuse_layers(lm) > 0
+        lm.zero_grad(set_to_none=True)
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            logits = lm(input_ids=ids).logits.float()
+        logits.square().mean().backward()
+        out[fused] = logits.detach(), lm.model.layers[0].mlp.up_proj.weight.grad.float()
+    for a, b in zip(out[True], out[False]):
+        assert ((a - b).norm() / b.norm()).item() < 2e-2
+
+
 def test_attention_transfer_trains_only_the_layer_it_scores():
     """Stage 1 with LoRA attached (it requires grad from the start): the new parameters get
     exactly the gradients they get without LoRA, and the backward stays inside each layer's

@@ -35,7 +35,7 @@ from glaswap.distill.losses import kd_step, transfer_step
 from glaswap.distill.loop import RunState, StageContext, evaluate_blocks, make_optimizer, run_stage
 from glaswap.distill.parallel import Dist, setup_distributed
 from glaswap.distill.recipe import Recipe, dump_recipe
-from glaswap.distill.student import build_student, device_dtype, lora_inputs_in_compute_dtype
+from glaswap.distill.student import build_student, device_dtype, fuse_layers, lora_inputs_in_compute_dtype
 from glaswap.errors import GlaswapError
 from glaswap.runtime import DTYPES, check_finite_weights, write_error
 
@@ -103,6 +103,8 @@ def _distill(recipe: Recipe, out: Path, folder: Path, resume: bool, force: bool,
     lm = student.lm
     if device.type == "cuda" and dtype != torch.float32:  # every step runs under autocast
         lora_inputs_in_compute_dtype(lm)
+    if device.type == "cuda":
+        fuse_layers(lm)
     lm.train()
     dist.wrap(lm, device, dtype)  # once: the module structure is fixed from here on
 
