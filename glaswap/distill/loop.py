@@ -75,7 +75,16 @@ def _autocast(device, dtype):
 
 
 def _to_device(batch, device):
-    return {k: (v.to(device, non_blocking=True) if v is not None else None) for k, v in batch.items()}
+    """The batch on `device`. On a GPU a batch without document boundaries inside its blocks
+    still gets cu_seqlens (one document per row): every batch then runs the same packed
+    kernel variants, where a plain [B, T] batch would compile a second set the first time
+    one comes (~14 s mid-run on an H200 with Triton's cache empty). The CPU keeps plain
+    batches, which its PyTorch paths handle whole rather than document by document."""
+    batch = {k: (v.to(device, non_blocking=True) if v is not None else None) for k, v in batch.items()}
+    if batch.get("cu_seqlens", 0) is None and torch.device(device).type == "cuda":
+        B, T = batch["input_ids"].shape
+        batch["cu_seqlens"] = torch.arange(0, B * T + 1, T, dtype=torch.int32, device=device)
+    return batch
 
 
 def _diverged(stage: StageContext, step: int, what: str):
