@@ -363,6 +363,8 @@ CODE_FILES = [
     ("glaswap/models/configuration_glaswap.py", "configuration_glaswap.py"),
     ("glaswap/models/modeling_glaswap.py", "modeling_glaswap.py"),
 ]
+# Kernels that only training runs (stage 2's vocabulary loss): saved folders go without them.
+TRAINING_ONLY_KERNELS = {"kd_loss_triton.py"}
 _IMPORT = re.compile(r"^from (glaswap_kernels|glaswap\.layers|glaswap\.models)\.(\w+) import", re.MULTILINE)
 
 AUTO_MAP = {
