@@ -25,11 +25,8 @@ from __future__ import annotations
 
 import torch
 
-try:
-    import triton
-    import triton.language as tl
-except ImportError:
-    raise
+import triton
+import triton.language as tl
 
 from .triton_helpers import _new
 
@@ -91,10 +88,11 @@ def _kd_rows_kernel(S, TL, labels, kl_out, ce_out, V, stride, scale2, T, ce_weig
         mask = v0 + cols < V
         s = tl.load(s_row + v0 + cols, mask=mask, other=0.0).to(tl.float32)
         t = tl.load(t_row + v0 + cols, mask=mask, other=0.0).to(tl.float32)
-        g = T * (tl.exp2(s * scale2 - lse_s) - tl.exp2(t * scale2 - lse_t))
+        p_s = tl.exp2(s * scale2 - lse_s)
+        g = T * (p_s - tl.exp2(t * scale2 - lse_t))
         if HAS_CE:
             if SAME_T:
-                p = tl.exp2(s * scale2 - lse_s)
+                p = p_s
             else:
                 p = tl.exp2(s * LOG2E - lse_r)
             hard = ce_weight * (p - tl.where(v0 + cols == label, 1.0, 0.0))
@@ -165,7 +163,5 @@ def fused_kd_loss(h_student, h_teacher, weight, labels, ce_weight=0.0, temperatu
         raise ValueError(f"labels must be [{h_student.shape[0]}]; got {tuple(labels.shape)}")
     if temperature <= 0 or chunk_tokens < 1:
         raise ValueError("temperature must be > 0 and chunk_tokens >= 1")
-    if not h_student.is_contiguous():
-        h_student = h_student.contiguous()
-    return _FusedKD.apply(h_student, h_teacher.contiguous(), weight, labels, float(ce_weight),
+    return _FusedKD.apply(h_student.contiguous(), h_teacher.contiguous(), weight, labels, float(ce_weight),
                             float(temperature), int(chunk_tokens))

@@ -81,7 +81,7 @@ def _to_device(batch, device):
     one comes (~14 s mid-run on an H200 with Triton's cache empty). The CPU keeps plain
     batches, which its PyTorch paths handle whole rather than document by document."""
     batch = {k: (v.to(device, non_blocking=True) if v is not None else None) for k, v in batch.items()}
-    if batch.get("cu_seqlens", 0) is None and torch.device(device).type == "cuda":
+    if "cu_seqlens" in batch and batch["cu_seqlens"] is None and torch.device(device).type == "cuda":
         B, T = batch["input_ids"].shape
         batch["cu_seqlens"] = torch.arange(0, B * T + 1, T, dtype=torch.int32, device=device)
     return batch

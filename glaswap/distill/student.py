@@ -103,7 +103,7 @@ def _liger_ops():
         from liger_kernel.ops.rms_norm import LigerRMSNormFunction
         from liger_kernel.ops.swiglu import LigerSiLUMulFunction
     except Exception as e:  # not installed, or without a working Triton
-        return f"{type(e).__name__}: {e}"
+        return f"{type(e).__name__}: {(str(e).splitlines() or [''])[0]}"
     return LigerRMSNormFunction, LigerSiLUMulFunction
 
 
