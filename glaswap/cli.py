@@ -96,6 +96,9 @@ _TRUST_HELP = ("Run Python code that a model or tokenizer folder ships (auto_map
 @click.option("--window-mix", type=click.Choice(["shared", "learned"]), default="shared", show_default=True,
               help="shared: one softmax normaliser over the window's scores and the state's sums; learned: a "
                    "learned per-head mix of the two outputs.")
+@click.option("--sparse-cache", type=click.IntRange(0), default=0, show_default=True,
+              help="With --window: reading with a cache, keep this many older keys per KV head out of the state, "
+                   "attended exactly: those the state recalls worst. 0: none.")
 @click.option("--dtype", type=click.Choice(["auto", "bfloat16", "float16", "float32"]), default="auto",
               show_default=True, help="Weights dtype (auto: the source's; bfloat16 for GGUF).")
 @click.option("--max-shard-size", default="2GB", show_default=True)
@@ -106,13 +109,15 @@ _TRUST_HELP = ("Run Python code that a model or tokenizer folder ships (auto_map
 @click.option("--trust-remote-code", is_flag=True, help=_TRUST_HELP)
 @_friendly
 def convert(source, out, gate, gate_rank, gate_init_decay, feature_map, normalizer, rope, rope_max_wavelength,
-            decay_horizon, state_heads, window, sinks, window_mix, dtype, max_shard_size, seed, report, force, trust_remote_code):
+            decay_horizon, state_heads, window, sinks, window_mix, sparse_cache, dtype, max_shard_size, seed, report, force,
+            trust_remote_code):
     """Convert SOURCE (a model folder, a .gguf file, a hub id, or smollm2-135m) into a GLA model in OUT."""
     from glaswap.convert import convert as run
 
     options = {"gate": gate, "gate_rank": gate_rank, "gate_init_decay": gate_init_decay,
                "feature_map": feature_map, "normalizer": normalizer, "use_rope": rope, "rope_max_wavelength": rope_max_wavelength,
-               "decay_horizon": decay_horizon, "state_heads": state_heads, "window": window, "sinks": sinks, "window_mix": window_mix}
+               "decay_horizon": decay_horizon, "state_heads": state_heads, "window": window, "sinks": sinks, "window_mix": window_mix,
+               "sparse_cache": sparse_cache}
     run(source, out, options=options, force=force, dtype=dtype, max_shard_size=max_shard_size, report=report,
         seed=seed, trust_remote_code=trust_remote_code, log=click.echo)
 
@@ -204,6 +209,10 @@ def _scoring_options(fn):
     return click.option("--device", default="auto", show_default=True, help="auto, cpu or cuda.")(fn)
 
 
+_SPARSE_HELP = ("Keep this many older keys per KV head of a hybrid MODEL's layers out of the state, attended "
+                "exactly: those the state recalls worst (default: as saved; 0: none).")
+
+
 @main.command(name="eval")
 @click.argument("model", type=click.Path())
 @click.argument("more_texts", nargs=-1, metavar="")
@@ -229,9 +238,11 @@ def _scoring_options(fn):
                    "models' loss in doubling bins of absolute position (0-1K, 1K-2K, 2K-4K, ...), with a PNG.")
 @click.option("--first-bin", type=click.IntRange(1), default=1024, show_default=True,
               help="Width of the first --by-position bin (tokens); each later bin doubles.")
+@click.option("--sparse-cache", type=click.IntRange(0), default=None,
+              help=_SPARSE_HELP + " Only the stateful column reads with a cache.")
 @_friendly
 def eval_(model, more_texts, texts, teacher, context, stride, max_tokens, batch_size, out, device, dtype,
-          trust_remote_code, bos, by_position, first_bin):
+          trust_remote_code, bos, by_position, first_bin, sparse_cache):
     """Perplexity and bits per byte of MODEL and its teacher on identical windows of text files,
     plus MODEL reading each file in one pass with its recurrent state (the "stateful" column)."""
     from glaswap.evaluate import evaluate
@@ -239,7 +250,7 @@ def eval_(model, more_texts, texts, teacher, context, stride, max_tokens, batch_
     evaluate(model, list(texts) + list(more_texts), teacher=teacher, context=context, stride=stride,
              max_tokens=max_tokens, batch_size=batch_size, out=out, device=device, dtype=dtype,
              trust_remote_code=trust_remote_code, bos=bos, by_position=by_position, first_bin=first_bin,
-             log=click.echo)
+             sparse_cache=sparse_cache, log=click.echo)
 
 
 @main.command()
@@ -256,11 +267,12 @@ def eval_(model, more_texts, texts, teacher, context, stride, max_tokens, batch_
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed of the keys.")
 @click.option("--filler", type=click.Path(dir_okay=False), default=None,
               help="A text file to fill the prompts with, instead of repeated sentences.")
+@click.option("--sparse-cache", type=click.IntRange(0), default=None, help=_SPARSE_HELP)
 @click.option("--out", type=click.Path(file_okay=False), default=None,
               help="Folder for passkey.json and passkey.png (default: MODEL/eval).")
 @_scoring_options
 @_friendly
-def passkey(model, lengths, depths, trials, teacher, no_teacher, seed, filler, out, device, dtype,
+def passkey(model, lengths, depths, trials, teacher, no_teacher, seed, filler, sparse_cache, out, device, dtype,
             trust_remote_code):
     """Passkey retrieval of MODEL and its teacher: a 5-digit key stated once in filler text, asked
     for at the end, answered by greedy decoding; accuracy by prompt length and key depth."""
@@ -269,7 +281,7 @@ def passkey(model, lengths, depths, trials, teacher, no_teacher, seed, filler, o
 
     run_passkey(model, lengths=parse_contexts(lengths), depths=parse_depths(depths), trials=trials,
                 teacher=None if no_teacher else teacher, seed=seed, out=out, device=device, dtype=dtype,
-                trust_remote_code=trust_remote_code, filler=filler, log=click.echo)
+                trust_remote_code=trust_remote_code, filler=filler, sparse_cache=sparse_cache, log=click.echo)
 
 
 @main.command()
@@ -292,10 +304,11 @@ def passkey(model, lengths, depths, trials, teacher, no_teacher, seed, filler, o
               help="Teacher for --bench: auto (the source in glaswap.json), a folder / .gguf, or none.")
 @click.option("--out", type=click.Path(file_okay=False), default=None,
               help="Folder for --bench's JSON and PNG (default: MODEL/eval).")
+@click.option("--sparse-cache", type=click.IntRange(0), default=None, help=_SPARSE_HELP)
 @click.option("--trust-remote-code", is_flag=True, help=_TRUST_HELP)
 @_friendly
 def generate(model, prompt, max_new_tokens, temperature, seed, graph, device, bench, contexts, batch_size,
-             new_tokens, teacher, out, trust_remote_code):
+             new_tokens, teacher, out, sparse_cache, trust_remote_code):
     """Continue a prompt with MODEL (streamed), or with --bench compare its decode speed and memory
     with the teacher's."""
     from glaswap.generate import bench_model, generate_text, parse_contexts
@@ -303,12 +316,13 @@ def generate(model, prompt, max_new_tokens, temperature, seed, graph, device, be
     if bench:
         bench_model(model, teacher=teacher, contexts=parse_contexts(contexts) if contexts else None,
                     batch_size=batch_size, new_tokens=new_tokens, graph=graph, device=device, out=out,
-                    trust_remote_code=trust_remote_code, log=click.echo)
+                    trust_remote_code=trust_remote_code, sparse_cache=sparse_cache, log=click.echo)
         return
     if prompt is None:
         raise click.UsageError("pass --prompt TEXT (or --bench)")
     res = generate_text(model, prompt, max_new_tokens=max_new_tokens, temperature=temperature, seed=seed,
-                        device=device, graph=graph, trust_remote_code=trust_remote_code, log=click.echo)
+                        device=device, graph=graph, trust_remote_code=trust_remote_code, sparse_cache=sparse_cache,
+                        log=click.echo)
     click.echo(f"\n[{res['new_tokens']} tokens in {res['seconds']:.1f} s, {res['tokens_per_second']:.1f} tokens/s"
                f"{', CUDA graph' if res['cuda_graph'] else ''}]", err=True)
 

@@ -256,7 +256,8 @@ def _by_position(docs, context) -> dict:
 def evaluate(model_dir, texts, teacher: str = "auto", context: int = 512, stride: int | None = None,
              max_tokens: int | None = None, batch_size: int = 1, out=None, device: str = "auto",
              dtype: str = "auto", progress: bool = True, trust_remote_code: bool = False, log=print,
-             bos: bool = False, by_position: bool = False, first_bin: int = 1024) -> dict:
+             bos: bool = False, by_position: bool = False, first_bin: int = 1024,
+             sparse_cache: int | None = None) -> dict:
     """Evaluate a glaswap model against its teacher on text files; returns every figure.
 
     teacher: "auto" (the source recorded in glaswap.json), "self" (the model's own softmax
@@ -295,7 +296,7 @@ def evaluate(model_dir, texts, teacher: str = "auto", context: int = 512, stride
     started = time.time()
     tok = load_tokenizer(model_dir, trust_remote_code)
     docs = [Document(p, text, tok, max_tokens, context, stride, bos) for p, text in contents]
-    student = load_student(model_dir, dev, dt)
+    student = load_student(model_dir, dev, dt, sparse_cache)
     student.set_attention_mode("gla")
     teacher_model = None
     if t_kind != "self":

@@ -91,7 +91,7 @@ class _StaticStep:
         dtype = self.model.model.layers[0].self_attn.q_proj.weight.dtype
         k_r = torch.zeros(1, 1, cfg.num_key_value_heads, cfg.head_dim, dtype=dtype, device=dev)
         fk = torch.zeros(1, 1, state_heads(cfg), feature_dim(cfg), dtype=dtype, device=dev)
-        return empty_window_buffers(batch_size, cfg.window, cfg.sinks, k_r, fk)
+        return empty_window_buffers(batch_size, cfg.window, cfg.sinks, k_r, fk, cfg.sparse_cache)
 
     def _alias(self, cache):
         """Point `cache` at the static buffers."""
@@ -250,7 +250,7 @@ def want_graph(graph: str, device: torch.device) -> bool:
 # --------------------------------------------------------------------------- text generation
 def generate_text(model_dir, prompt: str, max_new_tokens: int = 128, temperature: float = 0.0, seed: int = 0,
                   device: str = "auto", graph: str = "auto", stream: bool = True, trust_remote_code: bool = False,
-                  log=print) -> dict:
+                  sparse_cache: int | None = None, log=print) -> dict:
     """Generate from a prompt with the recurrent-state cache, streaming the text to stdout.
     trust_remote_code: run Python code that the tokenizer's folder ships."""
     from transformers import GenerationConfig, TextStreamer
@@ -265,7 +265,7 @@ def generate_text(model_dir, prompt: str, max_new_tokens: int = 128, temperature
     dev = pick_device(device)
     use_graph = want_graph(graph, dev)
     tok = load_tokenizer(model_dir, trust_remote_code)
-    model = load_student(model_dir, dev, pick_dtype("auto", dev))
+    model = load_student(model_dir, dev, pick_dtype("auto", dev), sparse_cache)
     runner = enable_decode_graph(model) if use_graph else None
     ids = tok(prompt, return_tensors="pt").to(dev)
     eos = model.generation_config.eos_token_id
@@ -511,7 +511,7 @@ def write_bench(rows, out: Path, title: str, extra: dict | None = None) -> dict:
 
 def bench_model(model_dir, teacher: str = "auto", contexts=None, batch_size: int = 1, new_tokens: int = 32,
                 graph: str = "auto", device: str = "auto", dtype: str = "auto", out=None,
-                trust_remote_code: bool = False, log=print) -> dict:
+                trust_remote_code: bool = False, sparse_cache: int | None = None, log=print) -> dict:
     """`glaswap generate --bench`: the model folder against its teacher (or --teacher PATH / none).
     trust_remote_code: run Python code that the teacher's folder ships."""
     meta = check_model_folder(model_dir)
@@ -521,7 +521,7 @@ def bench_model(model_dir, teacher: str = "auto", contexts=None, batch_size: int
     if batch_size < 1 or new_tokens < 1:
         raise GlaswapError("--batch-size and --new-tokens must be at least 1")
     dtype = pick_dtype(dtype, dev)
-    student = load_student(model_dir, dev, dtype)
+    student = load_student(model_dir, dev, dtype, sparse_cache)
     teacher_model, t_desc = None, None
     if teacher != "none":
         kind, path, t_desc = teacher_source(model_dir, meta, teacher)

@@ -142,11 +142,13 @@ def _greedy_no_cache(model, ids, device, steps=ANSWER_TOKENS, key_ids=None):
 
 def passkey(model_dir, lengths=(1024, 2048, 4096, 8192, 16384, 32768), depths=(0.0, 0.25, 0.5, 0.75, 1.0),
             trials: int = 2, teacher: str = "auto", seed: int = 0, out=None, device: str = "auto",
-            dtype: str = "auto", trust_remote_code: bool = False, filler=None, log=print) -> dict:
+            dtype: str = "auto", trust_remote_code: bool = False, filler=None, sparse_cache: int | None = None,
+            log=print) -> dict:
     """Passkey accuracy of MODEL and its teacher (teacher=None: the student alone) by length and
     depth; writes JSON and a heatmap PNG to `out` (default MODEL/eval). filler: a text file
     whose tokens fill the prompts instead of the repeated FILLER sentences (each key at its own
-    seeded place in the text)."""
+    seeded place in the text). sparse_cache: the student's sparse cache for this run (None: as
+    saved)."""
     if trials < 1:
         raise GlaswapError(f"--trials {trials} must be at least 1")
     if not lengths or min(lengths) < 1:
@@ -157,7 +159,7 @@ def passkey(model_dir, lengths=(1024, 2048, 4096, 8192, 16384, 32768), depths=(0
     dt = pick_dtype(dtype, dev)
     tok = load_tokenizer(model_dir, trust_remote_code)
     text_ids = _filler_ids(tok, filler) if filler is not None else None
-    student = load_student(model_dir, dev, dt)
+    student = load_student(model_dir, dev, dt, sparse_cache)
     student.set_attention_mode("gla")
     t_desc, teacher_model = None, None
     if teacher is not None:

@@ -70,8 +70,13 @@ def check_model_folder(model_dir) -> dict:
     return meta
 
 
-def load_student(model_dir, device, dtype):
+def load_student(model_dir, device, dtype, sparse_cache: int | None = None):
+    """A saved glaswap folder on `device`; sparse_cache: the hybrid layers' sparse cache for
+    this run (config.sparse_cache; None: as saved)."""
     from glaswap.models.modeling_glaswap import GLASwapForCausalLM
+
+    if sparse_cache is not None and sparse_cache < 0:
+        raise GlaswapError(f"--sparse-cache {sparse_cache} must be >= 0 (0: none)")
 
     try:
         model = GLASwapForCausalLM.from_pretrained(str(model_dir), dtype=dtype)
@@ -79,6 +84,11 @@ def load_student(model_dir, device, dtype):
         first = str(e).splitlines()[0] if str(e) else ""
         raise GlaswapError(f"{model_dir} could not be loaded ({type(e).__name__}: {first}); convert it again")
     check_finite_weights(model, model_dir)
+    if sparse_cache is not None:
+        if sparse_cache and not model.config.window:
+            raise GlaswapError(f"{model_dir} is pure GLA: a sparse cache needs hybrid layers (convert with --window); "
+                               f"drop --sparse-cache")
+        model.config.sparse_cache = sparse_cache
     return model.to(device).eval()
 
 

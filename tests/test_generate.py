@@ -30,7 +30,11 @@ VARIANTS = {
     "llama-qstate": ("llama", False, {"state_heads": "query"}),                     # a state per query head
     "llama-window": ("llama", False, {"window": 4, "sinks": 2}),                    # hybrid: exact window + sinks
     "qwen3-window-mix": ("qwen3", True, {"feature_map": "hedgehog_pm", "window": 3, "window_mix": "learned"}),
+    # hybrid with a sparse cache: reading with a cache differs from a whole-sequence forward
+    "llama-sparse": ("llama", False, {"window": 4, "sinks": 2, "sparse_cache": 3}),
 }
+# the variants whose cached reading equals a whole-sequence forward
+EXACT = [v for v, (_, _, opts) in VARIANTS.items() if not opts.get("sparse_cache")]
 PAD = 0
 
 
@@ -82,7 +86,7 @@ def _greedy(model, ids, mask=None, n=12, **kw):
 
 # ----------------------------------------------------------------------------- recurrent cache
 @pytest.mark.compat
-@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("variant", EXACT)
 def test_prefill_then_steps_match_full_forward(folders, variant):
     model = _load(folders[variant])
     ids, mask = _left_padded([list(range(5, 29)), list(range(40, 57))])    # 24 and 17 tokens
@@ -102,6 +106,31 @@ def test_prefill_then_steps_match_full_forward(folders, variant):
     inc = torch.cat(steps, dim=1)
     real = mask.bool()
     torch.testing.assert_close(inc[real], full[real], rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.compat
+def test_sparse_cache_prefill_choosing_every_step_matches_steps(folders, monkeypatch):
+    """A sparse cache chooses once per SPARSE_BLOCK new tokens: a prefill choosing at every
+    step reads a left-padded batch as decode steps do, and every slot fills."""
+    from glaswap.layers import gla_attention as ga
+
+    monkeypatch.setattr(ga, "SPARSE_BLOCK", 1)
+    model = _load(folders["llama-sparse"])
+    ids, mask = _left_padded([list(range(5, 29)), list(range(40, 57))])
+    pos = (mask.cumsum(-1) - 1).clamp(min=0)
+    with torch.no_grad():
+        full = model(ids, attention_mask=mask, position_ids=pos, use_cache=True)
+        P = 10                                         # a decode step's token is never padding
+        out = model(ids[:, :P], attention_mask=mask[:, :P], position_ids=pos[:, :P], use_cache=True)
+        steps = [out.logits]
+        for t in range(P, ids.shape[1]):
+            steps.append(model(ids[:, t:t + 1], attention_mask=mask[:, :t + 1], position_ids=pos[:, t:t + 1],
+                               past_key_values=cache_of(out), use_cache=True).logits)
+    real = mask.bool()
+    torch.testing.assert_close(torch.cat(steps, 1)[real], full.logits[real], rtol=1e-4, atol=1e-4)
+    for buf in cache_of(full).windows:
+        assert (buf["mpos"] >= 0).all()
+    assert not torch.allclose(full.logits[real], model(ids, attention_mask=mask, use_cache=False).logits[real])
 
 
 @pytest.mark.compat
@@ -242,7 +271,7 @@ def test_hybrid_cache_is_constant_size(folders):
 
 
 @pytest.mark.compat
-@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("variant", EXACT)
 def test_greedy_same_tokens_with_and_without_cache(folders, variant):
     model = _load(folders[variant])
     ids = _prompts()
@@ -253,7 +282,7 @@ def test_greedy_same_tokens_with_and_without_cache(folders, variant):
 
 
 @pytest.mark.compat
-@pytest.mark.parametrize("variant", ["llama", "qwen3-key", "llama-window", "qwen3-window-mix"])
+@pytest.mark.parametrize("variant", ["llama", "qwen3-key", "llama-window", "qwen3-window-mix", "llama-sparse"])
 def test_left_padded_batch_matches_each_row_alone(folders, variant):
     model = _load(folders[variant])
     rows = [[7, 33, 91, 12, 5, 60, 61, 2, 99], [44, 18, 70], [3, 3, 120, 8, 17]]
@@ -314,7 +343,7 @@ print("same", torch.equal(cached, case["expected"]), torch.equal(uncached, case[
 
 
 # ----------------------------------------------------------------------------- decode graph (buffer logic)
-@pytest.mark.parametrize("variant", ["llama", "qwen2-scalar", "llama-window", "qwen3-window-mix"])
+@pytest.mark.parametrize("variant", ["llama", "qwen2-scalar", "llama-window", "qwen3-window-mix", "llama-sparse"])
 def test_static_buffer_decode_matches_eager(folders, variant):
     """The graph path's static buffers, run eagerly ("replay"): the same logits, exactly."""
     model = _load(folders[variant])
@@ -332,7 +361,7 @@ def test_static_buffer_decode_matches_eager(folders, variant):
     assert torch.equal(beams, _greedy(model, ids, mask, num_beams=3, n=6))
 
 
-@pytest.mark.parametrize("variant", ["llama", "llama-window"])
+@pytest.mark.parametrize("variant", ["llama", "llama-window", "llama-sparse"])
 def test_static_buffer_decode_keeps_interleaved_caches_apart(folders, variant):
     model = _load(folders[variant])
     prompts = [torch.tensor([[5, 9, 77, 3]]), torch.tensor([[100, 2, 31, 64, 8, 8]])]
@@ -429,7 +458,7 @@ def test_decode_graph_only_takes_what_it_can_serve(folders):
 # ----------------------------------------------------------------------------- decode graph on a GPU
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("variant", ["llama", "llama-window"])
+@pytest.mark.parametrize("variant", ["llama", "llama-window", "llama-sparse"])
 def test_cuda_graph_decode_matches_eager_on_gpu(folders, dtype, variant):
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")

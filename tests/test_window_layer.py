@@ -268,3 +268,117 @@ def test_gpu_teacher_on_packed_documents_takes_flash_varlen(arch, monkeypatch):
         masked = student(ids, cu_seqlens=cu, use_cache=False).logits.float()
     err = ((flash - masked).norm() / masked.norm()).item()
     assert err < 1e-2, err
+
+
+# ----------------------------------------------------------------------------- sparse cache
+def reference_sparse_cache(attn, x, cos, sin, cos_w, sin_w, M):
+    """The hybrid layer read with a sparse cache of M keys per KV head, choosing at every step
+    (SPARSE_BLOCK = 1), written out one query at a time: the key leaving the window and the
+    cached ones compete on ||v - num / den||^2 against the state before the step (0 for an
+    empty state's num and den); the M largest stay cached, scored exactly as sinks outside the
+    window are; the rest are in the state with decays from the step each left the window."""
+    cfg = attn.config
+    W, S = cfg.window, cfg.sinks
+    B, T, _ = x.shape
+    q, k, v = attn._project(x)
+    g = attn._gate(x, k).float()
+    qr, kr = apply_rope(q, cos, sin).float(), apply_rope(k, cos, sin).float()
+    fq, fk = attn.q_map(q, cos, sin, "torch").float(), attn.k_map(k, cos, sin, "torch").float()
+    H, Hkv = attn.num_heads, attn.num_kv_heads
+    R = H // Hkv
+    c = attn.window_mix.logit.float()
+    cum = torch.cumsum(g, 1)
+    vf = v.float()
+
+    def state(b, kv, members, i):          # num [D], den after step i of the keys in `members`
+        if i < 0 or not members:
+            return torch.zeros(fk.shape[-1], v.shape[-1] + 1)
+        rows = [torch.exp(cum[b, i, kv] - cum[b, u + W, kv])[:, None] * fk[b, u, kv][:, None]
+                * torch.cat([vf[b, u, kv], torch.ones(1)])[None] for u in members]
+        return torch.stack(rows).sum(0)
+
+    def turned_score(b, h, i, j):
+        cb = min(b, cos.shape[0] - 1)
+        q_at = apply_rope(q[b, i, h][None, None, None].float(), cos[cb:cb + 1, i:i + 1], sin[cb:cb + 1, i:i + 1])
+        k_at = apply_rope(k[b, j, h // R][None, None, None].float(), *_back(cos, sin, cb, i, cos_w, sin_w))
+        return (q_at * k_at).sum()
+
+    out = torch.zeros(B, T, H, attn.head_dim)
+    for b in range(B):
+        for kv in range(Hkv):
+            cached, in_state = [], []
+            for i in range(T):
+                j = i - W
+                candidates = cached + ([j] if j >= S else [])
+                st = state(b, kv, in_state, i - 1)
+                pred = [fk[b, u, kv] @ st for u in candidates]
+                miss = [((vf[b, u, kv] - p[:-1] / p[-1].clamp_min(1e-6)) ** 2).sum() for u, p in zip(candidates, pred)]
+                order = sorted(range(len(candidates)), key=lambda n: -miss[n])
+                cached = [candidates[n] for n in order[:M]]
+                in_state += [candidates[n] for n in order[M:]]
+                for h in range(kv * R, kv * R + R):
+                    exact = [(j2, qr[b, i, h] @ kr[b, j2, kv]) for j2 in range(max(0, i - W + 1), i + 1)]
+                    exact += [(j2, turned_score(b, h, i, j2)) for j2 in range(min(S, i - W + 1))]
+                    exact += [(j2, turned_score(b, h, i, j2)) for j2 in cached]
+                    e = torch.stack([torch.exp(s * attn.head_dim ** -0.5) for _, s in exact])
+                    vv = torch.stack([vf[b, j2, kv] for j2, _ in exact])
+                    o_win = (e[:, None] * vv).sum(0) / e.sum()
+                    lin = fq[b, i, h] @ state(b, kv, in_state, i)
+                    num, den = lin[:-1], lin[-1]
+                    if cfg.window_mix == "shared":
+                        ew = e.sum()
+                        out[b, i, h] = (ew * o_win + c[h].exp() * num) / (ew + c[h].exp() * den)
+                    else:
+                        lam = torch.sigmoid(c[h])
+                        out[b, i, h] = (1 - lam) * o_win + (lam * num / den if in_state else lam * o_win)
+    return attn.o_proj(out.reshape(B, T, -1))
+
+
+@pytest.mark.parametrize("options", [
+    {"window": 3, "sinks": 2, "sparse_cache": 2},
+    {"window": 2, "sinks": 0, "sparse_cache": 3, "feature_map": "hedgehog_pm"},
+])
+def test_sparse_cache_matches_its_definition(options, monkeypatch):
+    """A one-call prefill choosing at every step (SPARSE_BLOCK = 1) against the definition."""
+    from glaswap.layers import gla_attention as ga
+    from glaswap.models.modeling_glaswap import GLASwapCache
+
+    monkeypatch.setattr(ga, "SPARSE_BLOCK", 1)
+    _, student = hybrid_student(options, arch="qwen3")       # GQA: two query heads per KV head
+    randomise_new_parameters(student)
+    attn = student.model.layers[0].self_attn
+    x = torch.randn(2, 13, student.config.hidden_size, generator=torch.Generator().manual_seed(6))
+    cos, sin = student.model.rotary_emb(x, torch.arange(13)[None])
+    cos_w, sin_w = student.model.rotary_emb(x, torch.tensor([[attn.config.window]]))
+    with torch.no_grad():
+        cache = GLASwapCache(1)
+        got, _ = attn(x, position_embeddings=(cos, sin), past_key_values=cache)
+        want = reference_sparse_cache(attn, x, cos, sin, cos_w, sin_w, options["sparse_cache"])
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+    assert (cache.window_buffers(0)["mpos"] >= 0).all()    # 13 tokens: every slot holds a key
+
+
+def test_sparse_cache_keeps_the_key_stated_once(monkeypatch):
+    """Repeated text goes into the state; a token stated once among it stays in the cache. In
+    the first layer a repeated token has one value, which any state of it recalls exactly."""
+    from glaswap.layers import gla_attention as ga
+    from glaswap.models.modeling_glaswap import GLASwapCache
+
+    monkeypatch.setattr(ga, "SPARSE_BLOCK", 8)
+    _, student = hybrid_student({"window": 4, "sinks": 1, "sparse_cache": 2})
+    randomise_new_parameters(student)
+    ids = torch.tensor([[1] + [11] * 30 + [99] + [11] * 60])
+    with torch.no_grad():
+        cache = GLASwapCache(1)
+        student(input_ids=ids, past_key_values=cache, use_cache=True)
+    buf = cache.window_buffers(0)
+    assert (buf["mpos"] == 31).any(1).all(), buf["mpos"]       # every KV head kept it
+    assert buf["pos"].min() > 31 + 4                            # long out of the window
+
+
+def test_sparse_cache_needs_a_window():
+    from glaswap.models.configuration_glaswap import check_gla_options
+    with pytest.raises(ValueError, match="sparse cache needs a window"):
+        check_gla_options({"sparse_cache": 4})
+    with pytest.raises(ValueError, match="whole number"):
+        check_gla_options({"window": 4, "sparse_cache": -1})

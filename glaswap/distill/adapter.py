@@ -24,7 +24,7 @@ CONVERT_FLAGS = {"gate": "--gate", "gate_rank": "--gate-rank", "gate_init_decay"
                  "use_rope": ("--rope", "--no-rope"), "rope_max_wavelength": "--rope-max-wavelength",
                  "decay_horizon": "--decay-horizon",
                  "state_heads": "--state-heads", "window": "--window", "sinks": "--sinks",
-                 "window_mix": "--window-mix"}
+                 "window_mix": "--window-mix", "sparse_cache": "--sparse-cache"}
 
 
 def new_modules(new_names) -> list[str]:

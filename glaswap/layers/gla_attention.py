@@ -287,7 +287,8 @@ class GLAAttention(nn.Module):
         B, T = q.shape[:2]
         g = self._gate(x, k)
         if cfg.window:
-            exact = self._exact_inputs(q, k, v, position_embeddings)
+            exact = self._exact_inputs(q, k, v, position_embeddings,
+                                       turned=bool(cfg.sinks or (cfg.sparse_cache and cache is not None)))
         k, v = self._per_state_head(k), self._per_state_head(v)
         cos, sin = position_embeddings if cfg.use_rope else (None, None)
         if cos is not None and cfg.rope_max_wavelength:
@@ -345,14 +346,14 @@ class GLAAttention(nn.Module):
     # trained positions it takes values the teacher never produced (measured: the one-pass
     # loss then climbs from 8K tokens on).
 
-    def _exact_inputs(self, q, k, v, position_embeddings):
+    def _exact_inputs(self, q, k, v, position_embeddings, turned=True):
         """(q_r, k_r, v, q_sink, k_sink): the teacher's rotated q and k for the window; for the
-        sinks (None without any) the unrotated q and k turned back by W steps, since
-        rope_i(q) . rope_(i-W)(k) = q . rope_(-W)(k)."""
+        sinks and the sparse cache (None without `turned`) the unrotated q and k turned back by
+        W steps, since rope_i(q) . rope_(i-W)(k) = q . rope_(-W)(k)."""
         cfg = self.config
         cos, sin = position_embeddings
         q_r, k_r = rope(q, cos, sin, cfg.gla_backend), rope(k, cos, sin, cfg.gla_backend)
-        if not cfg.sinks:
+        if not turned:
             return q_r, k_r, v, None, None
         turn = self._sink_turn
         if turn is None or turn[0].device != cos.device or turn[0].dtype != cos.dtype:
@@ -380,36 +381,62 @@ class GLAAttention(nn.Module):
         """Continuing from a cache (prefill in chunks, decode steps) or with padding: the
         cache's window buffer (the last W tokens' rotated keys, values, feature-mapped keys
         and positions, -1 for none or padding) and sink buffer (the sinks' keys as
-        _exact_inputs turns them) stand before the new tokens."""
+        _exact_inputs turns them) stand before the new tokens. With a sparse cache the new
+        tokens go through in blocks of SPARSE_BLOCK, each choosing which keys leaving the
+        window the cache keeps (_sparse_select)."""
         cfg = self.config
-        W, S = cfg.window, cfg.sinks
         B, T = q.shape[:2]
-        q_r, k_r, v_r, q_s, k_s = exact
+        M = cfg.sparse_cache if cache is not None else 0
         buf = cache.window_buffers(self.layer_idx) if cache is not None else None
         if buf is None:
-            buf = empty_window_buffers(B, W, S, k_r, k)
+            buf = empty_window_buffers(B, cfg.window, cfg.sinks, exact[1], k, M)
+        state = cache.recurrent_state(self.layer_idx) if cache is not None else None
         pos = torch.where(valid, pos.long(), -1)
+        step = SPARSE_BLOCK if M else T
+        outs = []
+        for a in range(0, T, step):
+            part = slice(a, min(T, a + step))
+            o, buf, state = self._stream_block(
+                q[:, part], k[:, part], v[:, part], g[:, part], tuple(t if t is None else t[:, part] for t in exact),
+                scale, pos[:, part], buf, state, M, cache is not None)
+            outs.append(o)
+        if cache is not None:
+            cache.set_recurrent_state(self.layer_idx, state)
+            cache.set_window_buffers(self.layer_idx, buf)
+        return outs[0] if len(outs) == 1 else torch.cat(outs, 1)
+
+    def _stream_block(self, q, k, v, g, exact, scale, pos, buf, state, M, cached):
+        """One stretch of new tokens after `buf` and `state`: (o, buffers after, state after)."""
+        cfg = self.config
+        W, S = cfg.window, cfg.sinks
+        T = q.shape[1]
+        q_r, k_r, v_r, q_s, k_s = exact
         K, V = torch.cat([buf["k"], k_r], 1), torch.cat([buf["v"], v_r], 1)
         FK, P = torch.cat([buf["fk"], k], 1), torch.cat([buf["pos"], pos], 1)
         # New step t takes into the state the key that leaves the window then: index t of the
-        # concatenation (W steps back), unless it is padding, empty or a sink.
-        enter = (P[:, :T] >= S)[:, :, None, None]
+        # concatenation (W steps back), unless it is padding, empty or a sink (or, with a sparse
+        # cache, kept there).
+        enter = (P[:, :T] >= S)[:, :, None]                                          # [B, T, 1]
+        memory = None
+        if M:
+            TK = torch.cat([buf["tk"], k_s], 1)
+            kept, memory, state = _sparse_select(buf, state, FK[:, :T], V[:, :T], TK[:, :T], P[:, :T], g, S)
+            enter = enter & ~kept                                                    # [B, T, Hkv]
+        enter = self._per_state_head(enter[..., None])                               # [B, T, Hs or 1, 1]
         k_in = FK[:, :T] * enter.to(FK.dtype)
         v_in = self._per_state_head(V[:, :T]) * enter.to(V.dtype)
-        state = cache.recurrent_state(self.layer_idx) if cache is not None else None
-        if cache is not None and T == 1 and not torch.is_grad_enabled():
+        if cached and T == 1 and not torch.is_grad_enabled():
             o_lin, new_state = _decode_step(q, k_in, with_ones(v_in), g, scale, state, cfg.gla_backend)
         else:
             o_lin, new_state = chunk_gla(q, k_in, v_in, g, scale=scale, initial_state=state,
-                                         output_final_state=cache is not None, backend=cfg.gla_backend,
-                                         normalizer=True)
+                                         output_final_state=cached, backend=cfg.gla_backend, normalizer=True)
         after = _advance_buffers(buf, K, V, FK, P, k_s, v_r, pos, W, S)
         # the sinks among the new tokens count too (each only for queries W or more later)
-        o_win, lse = _window_over_buffer(q_r, q_s, K, V, P, after, pos, W, self.head_dim ** -0.5)
-        if cache is not None:
-            cache.set_recurrent_state(self.layer_idx, new_state)
-            cache.set_window_buffers(self.layer_idx, after)
-        return self._combine(o_win, lse, o_lin)
+        o_win, lse = _window_over_buffer(q_r, q_s, K, V, P, after, pos, W, self.head_dim ** -0.5, memory=memory)
+        if M:
+            after.update(tk=TK[:, -W:] if T == 1 else TK[:, -W:].clone(),
+                         **{n: memory[n] for n in ("mk", "mv", "mfk", "mg", "mpos")})
+        return self._combine(o_win, lse, o_lin), after, new_state
 
     def _combine(self, o_win, lse, o_lin):
         """One output from the window's (o_win normalised, lse) and the state's (num, den):
@@ -430,14 +457,73 @@ def sink_rotation(config):
     return angle.cos() * scaling ** 2, -angle.sin() * scaling ** 2
 
 
-def empty_window_buffers(B, W, S, k_r, fk):
+def empty_window_buffers(B, W, S, k_r, fk, M=0):
     """The window and sink buffers of a cache before any token: every position -1. Keys: the
     last W tokens' rotated keys, values, feature-mapped keys and positions (k, v, fk, pos) and
-    the S sinks' turned keys (_exact_inputs), values and positions (sk, sv, spos)."""
-    return {"k": k_r.new_zeros(B, W, *k_r.shape[2:]), "v": k_r.new_zeros(B, W, *k_r.shape[2:]),
+    the S sinks' turned keys (_exact_inputs), values and positions (sk, sv, spos). With a
+    sparse cache of M keys per KV head also the window's turned keys (tk) and the cache's
+    turned keys, values, feature-mapped keys, log-decays since each would have entered the
+    state (float32) and positions (mk, mv, mfk, mg, mpos)."""
+    bufs = {"k": k_r.new_zeros(B, W, *k_r.shape[2:]), "v": k_r.new_zeros(B, W, *k_r.shape[2:]),
             "fk": fk.new_zeros(B, W, *fk.shape[2:]), "pos": torch.full((B, W), -1, device=k_r.device),
             "sk": k_r.new_zeros(B, S, *k_r.shape[2:]), "sv": k_r.new_zeros(B, S, *k_r.shape[2:]),
             "spos": torch.full((B, S), -1, device=k_r.device)}
+    if M:
+        bufs.update(tk=k_r.new_zeros(B, W, *k_r.shape[2:]),
+                    mk=k_r.new_zeros(B, M, *k_r.shape[2:]), mv=k_r.new_zeros(B, M, *k_r.shape[2:]),
+                    mfk=fk.new_zeros(B, M, *fk.shape[2:]),
+                    mg=torch.zeros(B, M, *fk.shape[2:], device=k_r.device),
+                    mpos=torch.full((B, M, k_r.shape[2]), -1, device=k_r.device))
+    return bufs
+
+
+# A sparse cache chooses what it keeps once per this many new tokens: every key leaving the
+# window within a block is scored against the state as it stood at the block's start.
+SPARSE_BLOCK = 64
+
+
+def _sparse_select(buf, state, fk, v, tk, p, g, S):
+    """Which keys a sparse cache keeps (after LoLA, arXiv 2505.23666): the cache's own and
+    those leaving the window in this block compete per KV head, and the M that the state
+    recalls worst (largest ||v - S^T phi(k) / z^T phi(k)||^2, averaged over the KV head's
+    state heads) stay out of the state, attended exactly as sinks are (_window_over_buffer).
+    Keys the state already predicts, such as repeated text, go into it; a key unlike
+    anything before, such as a name or a number stated once, stays exact. A cache key that
+    loses enters the state now with the decay it would have had since its own step.
+    Returns (kept [B, T, Hkv] for the leaving rows, the cache for this block and after it,
+    the state with the evicted keys added). Fixed shapes: a decode step stays capturable."""
+    B, T, Hs, F = fk.shape
+    Hkv = v.shape[2]
+    R = Hs // Hkv
+    M = buf["mpos"].shape[1]
+    c_fk = torch.cat([buf["mfk"], fk], 1)                                          # [B, M + T, Hs, F]
+    c_v = torch.cat([buf["mv"], v], 1)                                             # [B, M + T, Hkv, D]
+    c_pos = torch.cat([buf["mpos"], p[:, :, None].expand(B, T, Hkv)], 1)           # [B, M + T, Hkv]
+    if state is None:
+        state = torch.zeros(B, Hs, F, v.shape[-1] + 1, device=v.device)
+    vs = c_v.float().repeat_interleave(R, 2) if R > 1 else c_v.float()
+    pred = torch.einsum("bchf,bhfd->bchd", c_fk.float(), state)
+    miss = ((vs - pred[..., :-1] / pred[..., -1:].clamp_min(1e-6)) ** 2).sum(-1)     # an empty state: ||v||^2
+    score = miss.view(B, -1, Hkv, R).mean(-1).masked_fill(c_pos < S, -math.inf)   # never a sink, pad or none
+    top, idx = score.topk(M, dim=1)                                                # [B, M, Hkv]
+    live = top > -math.inf
+    kept = torch.zeros_like(score, dtype=torch.bool).scatter(1, idx, live)
+    # cache keys that lose go into the state; row t of this block would enter at step t
+    out = (c_pos[:, :M] >= S) & ~kept[:, :M]                                       # [B, M, Hkv]
+    out_s = out.repeat_interleave(R, 2) if R > 1 else out
+    w = buf["mfk"].float() * (buf["mg"].exp() * out_s[..., None])
+    mv = buf["mv"].float().repeat_interleave(R, 2) if R > 1 else buf["mv"].float()
+    state = state + torch.einsum("bmhf,bmhd->bhfd", w, with_ones(mv))
+    cum = g.float().cumsum(1)                                                      # [B, T, Hs, F]
+    c_g = torch.cat([buf["mg"] + cum[:, -1:], cum[:, -1:] - cum], 1)                # decay to the block's end
+    idx_s = idx.repeat_interleave(R, 2) if R > 1 else idx
+    pick = lambda t, i: t.gather(1, i[..., None].expand(-1, -1, -1, t.shape[-1]))  # noqa: E731
+    memory = {"mk": pick(torch.cat([buf["mk"], tk], 1), idx), "mv": pick(c_v, idx),
+              "mfk": pick(c_fk, idx_s), "mg": pick(c_g, idx_s),
+              "mpos": torch.where(live, c_pos.gather(1, idx), -1),
+              # a key that joins in this block is seen from its own step on (it leaves the window then)
+              "from": torch.where(live, idx - M, -1)}
+    return kept[:, M:], memory, state
 
 
 def _enter_state(x, W, S, cu_seqlens):
@@ -457,12 +543,13 @@ def _enter_state(x, W, S, cu_seqlens):
     return F.pad(x[:, :T - W], pad + [W, 0]) * ok
 
 
-def _window_over_buffer(q_r, q_s, K, V, P, buf, pos, W, scale, block=256):
+def _window_over_buffer(q_r, q_s, K, V, P, buf, pos, W, scale, block=256, memory=None):
     """Exact softmax of the T new queries over their last W keys in K/V [B, W + T, Hkv, D]
-    (positions P, -1 = none, scored with the rotated queries q_r) and over the sink buffer's
-    keys (the new tokens' included) that have left the query's window (scored with q_s):
-    (o [B, T, H, D] in q's dtype, lse [B, T, H] float32). Plain PyTorch, query blocks of
-    `block`, so memory stays O(block x (W + block))."""
+    (positions P, -1 = none, scored with the rotated queries q_r), over the sink buffer's
+    keys (the new tokens' included) that have left the query's window, and over a sparse
+    cache's keys (`memory`, _sparse_select; both scored with q_s): (o [B, T, H, D] in q's
+    dtype, lse [B, T, H] float32). Plain PyTorch, query blocks of `block`, so memory stays
+    O(block x (W + block))."""
     B, T, H, D = q_r.shape
     R = H // K.shape[2]
     sk, sv, spos = buf["sk"], buf["sv"], buf["spos"]
@@ -487,6 +574,16 @@ def _window_over_buffer(q_r, q_s, K, V, P, buf, pos, W, scale, block=256):
             qs = q_s[:, a:b].float().transpose(1, 2)
             ss = (scale * qs @ ks.transpose(-1, -2)).masked_fill(~seen[:, None], float("-inf"))
             s, vv = torch.cat([ss, s], -1), torch.cat([vs, vv], -2)
+        if memory is not None:
+            mk = memory["mk"].float().transpose(1, 2).repeat_interleave(R, 1)          # [B, H, M, D]
+            mv = memory["mv"].float().transpose(1, 2).repeat_interleave(R, 1)
+            t_rel = torch.arange(a, b, device=q_r.device)[None, None, :, None]         # [1, 1, n, 1]
+            seen = (memory["mpos"] >= 0).transpose(1, 2)[:, :, None] & \
+                (memory["from"].transpose(1, 2)[:, :, None] <= t_rel)                  # [B, Hkv, n, M]
+            seen = seen.repeat_interleave(R, 1)
+            qs = q_s[:, a:b].float().transpose(1, 2)
+            ms = (scale * qs @ mk.transpose(-1, -2)).masked_fill(~seen, float("-inf"))
+            s, vv = torch.cat([ms, s], -1), torch.cat([mv, vv], -2)
         lse = torch.logsumexp(s, -1)                                               # [B, H, n]
         outs.append((torch.exp(s - lse[..., None]) @ vv).transpose(1, 2))
         lses.append(lse.transpose(1, 2))

@@ -40,6 +40,12 @@ GLA_OPTIONS = {
     # state's phi(q).phi(k) sums (a learned per-head weight on the state's); learned: a learned
     # per-head mix of the two normalised outputs.
     "window_mix": ("shared", ("shared", "learned")),
+    # Hybrid layers read with a cache (prefill, decoding): each KV head also keeps, at constant
+    # size, the `sparse_cache` older keys that its state recalls worst (a number or a name
+    # stated once, where repeated text is recalled well) out of the state, and attends to them
+    # exactly, as to the sinks. Whole-sequence forwards (training, windowed scoring) have
+    # none. 0: none.
+    "sparse_cache": (0, int),
 }
 
 
@@ -71,11 +77,14 @@ def check_gla_options(opts):
     if horizon and not float(merged["gate_init_decay"]) < math.exp(-1.0 / horizon):
         raise ValueError(f"gate_init_decay {merged['gate_init_decay']} is not below exp(-1/decay_horizon) = "
                          f"{math.exp(-1.0 / horizon):.6f}; lower gate_init_decay or raise decay_horizon")
-    for name in ("window", "sinks"):
+    for name in ("window", "sinks", "sparse_cache"):
         if isinstance(merged[name], bool) or not isinstance(merged[name], int) or merged[name] < 0:
             raise ValueError(f"invalid {name} {merged[name]!r}; expected a whole number >= 0")
     if merged["sinks"] and not merged["window"]:
         raise ValueError("sinks need a window: set window >= 1, or sinks to 0")
+    if merged["sparse_cache"] and not merged["window"]:
+        raise ValueError("a sparse cache needs a window (it is attended with the window's softmax): set window >= 1, "
+                         "or sparse_cache to 0")
     if merged["window"] and not merged["normalizer"]:
         raise ValueError("a window needs the normalizer (it shares the softmax's normalisation); turn the "
                          "normalizer on, or set window to 0")
@@ -126,6 +135,7 @@ class GLASwapConfig(PretrainedConfig):
         window=0,
         sinks=0,
         window_mix="shared",
+        sparse_cache=0,
         **kwargs,
     ):
         self.vocab_size = vocab_size
@@ -161,6 +171,7 @@ class GLASwapConfig(PretrainedConfig):
         self.window = window
         self.sinks = sinks
         self.window_mix = window_mix
+        self.sparse_cache = sparse_cache
         check_gla_options({k: getattr(self, k) for k in GLA_OPTIONS})
         super().__init__(pad_token_id=pad_token_id, bos_token_id=bos_token_id, eos_token_id=eos_token_id,
                          tie_word_embeddings=tie_word_embeddings, **kwargs)
