@@ -606,3 +606,12 @@ def test_real_smollm2_generates_the_same_with_and_without_cache(smollm2_gla):
         steps = [out.logits] + [model(ids[:, t:t + 1], past_key_values=cache_of(out),
                                       use_cache=True).logits for t in range(10, ids.shape[1])]
     torch.testing.assert_close(torch.cat(steps, 1), full, rtol=1e-3, atol=1e-3)
+
+
+def test_cli_sparse_cache(folders):
+    """--sparse-cache sets a hybrid model's cache for the run; a pure GLA model refuses it in one line."""
+    result = _cli(folders["llama-window"], "--prompt", "the river", "--max-new-tokens", "4", "--sparse-cache", "2")
+    assert result.exit_code == 0, result.output
+    result = _cli(folders["llama"], "--prompt", "the river", "--sparse-cache", "2")
+    assert result.exit_code != 0 and "is pure GLA" in result.output and "--sparse-cache" in result.output
+    assert "Traceback" not in result.output
