@@ -182,10 +182,10 @@ def passkey(model_dir, lengths=(1024, 2048, 4096, 8192, 16384, 32768), depths=(0
             raise
         log(f"interrupted: keeping the {len(cells)} of {len(lengths) * len(depths)} cells measured")
         _write_passkey(_result(model_dir, t_desc, lengths, depths, trials, seed, dev, dt, cells, started, False,
-                               filler), model_dir, out, log)
+                               filler, student.config.sparse_cache), model_dir, out, log)
         raise
     return _write_passkey(_result(model_dir, t_desc, lengths, depths, trials, seed, dev, dt, cells, started, True,
-                                  filler), model_dir, out, log)
+                                  filler, student.config.sparse_cache), model_dir, out, log)
 
 
 def _filler_ids(tokenizer, path) -> list[int]:
@@ -232,10 +232,10 @@ def _run_cells(cells, student, teacher_model, tok, keys, lengths, depths, roles,
 
 
 def _result(model_dir, t_desc, lengths, depths, trials, seed, dev, dt, cells, started, complete: bool,
-            filler) -> dict:
+            filler, sparse_cache: int) -> dict:
     """The JSON record; `complete` is False for a run stopped early (the cells it finished)."""
     return {"model": str(model_dir), "teacher": t_desc, "lengths": list(lengths), "depths": list(depths),
-            "trials": trials, "seed": seed,
+            "trials": trials, "seed": seed, "sparse_cache": sparse_cache,
             "filler": str(filler) if filler is not None else None,   # None: the repeated FILLER sentences
             "device": str(dev), "dtype": str(dt).replace("torch.", ""),
             "cells": cells, "complete": complete, "seconds": round(time.time() - started, 2),

@@ -191,6 +191,7 @@ def test_cli_passkey_writes_table_json_and_heatmap(folder, tmp_path):
     assert r.exit_code == 0, r.output
     res = json.loads((tmp_path / "p" / "passkey.json").read_text())
     assert [(c["length"], c["depth"]) for c in res["cells"]] == [(200, 0.0), (200, 1.0), (300, 0.0), (300, 1.0)]
+    assert res["sparse_cache"] == 0
     for c in res["cells"]:
         assert c["tokens"] <= c["length"]
         for role in ("student", "teacher"):
