@@ -274,9 +274,9 @@ def test_gpu_teacher_on_packed_documents_takes_flash_varlen(arch, monkeypatch):
 def reference_sparse_cache(attn, x, cos, sin, cos_w, sin_w, M):
     """The hybrid layer read with a sparse cache of M keys per KV head, choosing at every step
     (SPARSE_BLOCK = 1), written out one query at a time: the key leaving the window and the
-    cached ones compete on ||v - num / den||^2 against the state before the step (0 for an
-    empty state's num and den); the M largest stay cached, scored exactly as sinks outside the
-    window are; the rest are in the state with decays from the step each left the window."""
+    cached ones compete on ||v - num / den||^2, read back from the state before the step with
+    every candidate added to it; the M largest stay cached, scored exactly as sinks outside
+    the window are; the rest are in the state with decays from the step each left the window."""
     cfg = attn.config
     W, S = cfg.window, cfg.sinks
     B, T, _ = x.shape
@@ -310,7 +310,11 @@ def reference_sparse_cache(attn, x, cos, sin, cos_w, sin_w, M):
             for i in range(T):
                 j = i - W
                 candidates = cached + ([j] if j >= S else [])
-                st = state(b, kv, in_state, i - 1)
+                # the state before the step with every candidate in it: cached keys decayed from
+                # the step each left the window, the leaving key at full weight
+                st = state(b, kv, in_state + cached, i - 1)
+                if j >= S:
+                    st = st + fk[b, j, kv][:, None] * torch.cat([vf[b, j, kv], torch.ones(1)])[None]
                 pred = [fk[b, u, kv] @ st for u in candidates]
                 miss = [((vf[b, u, kv] - p[:-1] / p[-1].clamp_min(1e-6)) ** 2).sum() for u, p in zip(candidates, pred)]
                 order = sorted(range(len(candidates)), key=lambda n: -miss[n])

@@ -485,11 +485,11 @@ SPARSE_BLOCK = 64
 def _sparse_select(buf, state, fk, v, tk, p, g, S):
     """Which keys a sparse cache keeps (after LoLA, arXiv 2505.23666): the cache's own and
     those leaving the window in this block compete per KV head, and the M that the state
-    recalls worst (largest ||v - S^T phi(k) / z^T phi(k)||^2, averaged over the KV head's
-    state heads) stay out of the state, attended exactly as sinks are (_window_over_buffer).
-    Keys the state already predicts, such as repeated text, go into it; a key unlike
-    anything before, such as a name or a number stated once, stays exact. A cache key that
-    loses enters the state now with the decay it would have had since its own step.
+    recalls worst (largest ||v - S^T phi(k) / z^T phi(k)||^2 with every candidate in S,
+    averaged over the KV head's state heads) stay out of the state, attended exactly as
+    sinks are (_window_over_buffer). Keys like many others, such as repeated text, go into
+    the state; a key unlike the rest, such as a number stated once, stays exact. A cache key
+    that loses enters the state now with the decay it would have had since its own step.
     Returns (kept [B, T, Hkv] for the leaving rows, the cache for this block and after it,
     the state with the evicted keys added). Fixed shapes: a decode step stays capturable."""
     B, T, Hs, F = fk.shape
@@ -501,22 +501,26 @@ def _sparse_select(buf, state, fk, v, tk, p, g, S):
     c_pos = torch.cat([buf["mpos"], p[:, :, None].expand(B, T, Hkv)], 1)           # [B, M + T, Hkv]
     if state is None:
         state = torch.zeros(B, Hs, F, v.shape[-1] + 1, device=v.device)
-    vs = c_v.float().repeat_interleave(R, 2) if R > 1 else c_v.float()
-    pred = torch.einsum("bchf,bhfd->bchd", c_fk.float(), state)
-    miss = ((vs - pred[..., :-1] / pred[..., -1:].clamp_min(1e-6)) ** 2).sum(-1)     # an empty state: ||v||^2
-    score = miss.view(B, -1, Hkv, R).mean(-1).masked_fill(c_pos < S, -math.inf)   # never a sink, pad or none
+    ok = c_pos >= S                                                                # never a sink, pad or none
+    rep = (lambda t: t.repeat_interleave(R, 2)) if R > 1 else (lambda t: t)      # noqa: E731
+    vs = with_ones(rep(c_v).float())
+    # Self-recall: each candidate is read back from the state with every candidate in it (the
+    # cache's keys decayed as they would be, this block's at full weight), so a key like many
+    # others is recalled well and a key unlike the rest poorly, even while the state is empty.
+    c_w = torch.cat([buf["mg"].exp(), torch.ones_like(fk, dtype=torch.float32)], 1) * rep(ok)[..., None]
+    full = state + torch.einsum("bchf,bchd->bhfd", c_fk.float() * c_w, vs)
+    pred = torch.einsum("bchf,bhfd->bchd", c_fk.float(), full)
+    miss = ((vs[..., :-1] - pred[..., :-1] / pred[..., -1:].clamp_min(1e-6)) ** 2).sum(-1)
+    score = miss.view(B, -1, Hkv, R).mean(-1).masked_fill(~ok, -math.inf)
     top, idx = score.topk(M, dim=1)                                                # [B, M, Hkv]
     live = top > -math.inf
     kept = torch.zeros_like(score, dtype=torch.bool).scatter(1, idx, live)
     # cache keys that lose go into the state; row t of this block would enter at step t
-    out = (c_pos[:, :M] >= S) & ~kept[:, :M]                                       # [B, M, Hkv]
-    out_s = out.repeat_interleave(R, 2) if R > 1 else out
-    w = buf["mfk"].float() * (buf["mg"].exp() * out_s[..., None])
-    mv = buf["mv"].float().repeat_interleave(R, 2) if R > 1 else buf["mv"].float()
-    state = state + torch.einsum("bmhf,bmhd->bhfd", w, with_ones(mv))
+    out = rep(ok[:, :M] & ~kept[:, :M])                                            # [B, M, Hs]
+    state = state + torch.einsum("bmhf,bmhd->bhfd", c_fk[:, :M].float() * (c_w[:, :M] * out[..., None]), vs[:, :M])
     cum = g.float().cumsum(1)                                                      # [B, T, Hs, F]
     c_g = torch.cat([buf["mg"] + cum[:, -1:], cum[:, -1:] - cum], 1)                # decay to the block's end
-    idx_s = idx.repeat_interleave(R, 2) if R > 1 else idx
+    idx_s = rep(idx)
     pick = lambda t, i: t.gather(1, i[..., None].expand(-1, -1, -1, t.shape[-1]))  # noqa: E731
     memory = {"mk": pick(torch.cat([buf["mk"], tk], 1), idx), "mv": pick(c_v, idx),
               "mfk": pick(c_fk, idx_s), "mg": pick(c_g, idx_s),
