@@ -420,7 +420,8 @@ class GLAAttention(nn.Module):
         memory = None
         if M:
             TK = torch.cat([buf["tk"], k_s], 1)
-            kept, memory, state = _sparse_select(buf, state, FK[:, :T], V[:, :T], TK[:, :T], P[:, :T], g, S)
+            kept, memory, state = _sparse_select(buf, state, FK[:, :T], V[:, :T], TK[:, :T], P[:, :T], g, S,
+                                                  self._per_state_head)
             enter = enter & ~kept                                                    # [B, T, Hkv]
         enter = self._per_state_head(enter[..., None])                               # [B, T, Hs or 1, 1]
         k_in = FK[:, :T] * enter.to(FK.dtype)
@@ -482,7 +483,7 @@ def empty_window_buffers(B, W, S, k_r, fk, M=0):
 SPARSE_BLOCK = 64
 
 
-def _sparse_select(buf, state, fk, v, tk, p, g, S):
+def _sparse_select(buf, state, fk, v, tk, p, g, S, rep):
     """Which keys a sparse cache keeps (after LoLA, arXiv 2505.23666): the cache's own and
     those leaving the window in this block compete per KV head, and the M that the state
     recalls worst (largest ||v - S^T phi(k) / z^T phi(k)||^2 with every candidate in S,
@@ -491,7 +492,9 @@ def _sparse_select(buf, state, fk, v, tk, p, g, S):
     the state; a key unlike the rest, such as a number stated once, stays exact. A cache key
     that loses enters the state now with the decay it would have had since its own step.
     Returns (kept [B, T, Hkv] for the leaving rows, the cache for this block and after it,
-    the state with the evicted keys added). Fixed shapes: a decode step stays capturable."""
+    the state with the evicted keys added). rep: a KV-head tensor [B, N, Hkv, ...] repeated over
+    each KV head's state heads (GLAAttention._per_state_head). Fixed shapes: a decode step
+    stays capturable."""
     B, T, Hs, F = fk.shape
     Hkv = v.shape[2]
     R = Hs // Hkv
@@ -502,7 +505,6 @@ def _sparse_select(buf, state, fk, v, tk, p, g, S):
     if state is None:
         state = torch.zeros(B, Hs, F, v.shape[-1] + 1, device=v.device)
     ok = c_pos >= S                                                                # never a sink, pad or none
-    rep = (lambda t: t.repeat_interleave(R, 2)) if R > 1 else (lambda t: t)      # noqa: E731
     vs = with_ones(rep(c_v).float())
     # Self-recall: each candidate is read back from the state with every candidate in it (the
     # cache's keys decayed as they would be, this block's at full weight), so a key like many
@@ -556,13 +558,23 @@ def _window_over_buffer(q_r, q_s, K, V, P, buf, pos, W, scale, block=256, memory
     O(block x (W + block))."""
     B, T, H, D = q_r.shape
     R = H // K.shape[2]
-    sk, sv, spos = buf["sk"], buf["sv"], buf["spos"]
+    heads = lambda t: t.float().transpose(1, 2).repeat_interleave(R, 1)          # noqa: E731  [B, H, N, D]
+    spos = buf["spos"]
+    # keys scored with q_s, and which queries see each: the sinks once out of the query's
+    # window, a cache key from the step it left the window (its "from", -1 for older ones)
+    apart = []
+    if memory is not None:
+        seen = (memory["mpos"] >= 0)[..., None] & (memory["from"][..., None] <= torch.arange(T, device=q_r.device))
+        apart.append((heads(memory["mk"]), heads(memory["mv"]), seen.permute(0, 2, 3, 1).repeat_interleave(R, 1)))
+    if spos.shape[1]:
+        seen = (spos[:, None, :] >= 0) & (spos[:, None, :] <= pos[:, :, None] - W)                  # [B, T, S]
+        apart.append((heads(buf["sk"]), heads(buf["sv"]), seen[:, None]))
     outs, lses = [], []
     for a in range(0, T, block):
         b = min(T, a + block)
         qb = q_r[:, a:b].float().transpose(1, 2)                                  # [B, H, n, D]
-        kk = K[:, a + 1:W + b].float().transpose(1, 2).repeat_interleave(R, 1)    # keys a+1 .. W+b-1
-        vv = V[:, a + 1:W + b].float().transpose(1, 2).repeat_interleave(R, 1)
+        kk = heads(K[:, a + 1:W + b])                                             # keys a+1 .. W+b-1
+        vv = heads(V[:, a + 1:W + b])
         t = torch.arange(a, b, device=q_r.device)[:, None]
         j = torch.arange(a + 1, W + b, device=q_r.device)[None, :]
         in_window = (j >= t + 1) & (j <= W + t)                                    # [n, keys]
@@ -570,24 +582,11 @@ def _window_over_buffer(q_r, q_s, K, V, P, buf, pos, W, scale, block=256, memory
         allowed = in_window[None] & (live[:, None, :] | (j == W + t)[None])        # a query sees itself
         s = scale * qb @ kk.transpose(-1, -2)
         s = s.masked_fill(~allowed[:, None], float("-inf"))
-        if sk.shape[1]:
-            ks = sk.float().transpose(1, 2).repeat_interleave(R, 1)
-            vs = sv.float().transpose(1, 2).repeat_interleave(R, 1)
-            # a sink counts here once it has left the query's window
-            seen = (spos[:, None, :] >= 0) & (spos[:, None, :] <= pos[:, a:b, None] - W)   # [B, n, S]
+        if apart:
             qs = q_s[:, a:b].float().transpose(1, 2)
-            ss = (scale * qs @ ks.transpose(-1, -2)).masked_fill(~seen[:, None], float("-inf"))
-            s, vv = torch.cat([ss, s], -1), torch.cat([vs, vv], -2)
-        if memory is not None:
-            mk = memory["mk"].float().transpose(1, 2).repeat_interleave(R, 1)          # [B, H, M, D]
-            mv = memory["mv"].float().transpose(1, 2).repeat_interleave(R, 1)
-            t_rel = torch.arange(a, b, device=q_r.device)[None, None, :, None]         # [1, 1, n, 1]
-            seen = (memory["mpos"] >= 0).transpose(1, 2)[:, :, None] & \
-                (memory["from"].transpose(1, 2)[:, :, None] <= t_rel)                  # [B, Hkv, n, M]
-            seen = seen.repeat_interleave(R, 1)
-            qs = q_s[:, a:b].float().transpose(1, 2)
-            ms = (scale * qs @ mk.transpose(-1, -2)).masked_fill(~seen, float("-inf"))
-            s, vv = torch.cat([ms, s], -1), torch.cat([mv, vv], -2)
+            s = torch.cat([(scale * qs @ ka.transpose(-1, -2)).masked_fill(~seen[:, :, a:b], float("-inf"))
+                           for ka, _, seen in apart] + [s], -1)
+            vv = torch.cat([va for _, va, _ in apart] + [vv], -2)
         lse = torch.logsumexp(s, -1)                                               # [B, H, n]
         outs.append((torch.exp(s - lse[..., None]) @ vv).transpose(1, 2))
         lses.append(lse.transpose(1, 2))
