@@ -24,6 +24,7 @@ from glaswap.distill import distill, load_recipe
 from glaswap.distill.losses import kd_loss, next_token_labels
 from glaswap.distill.parallel import Dist
 from glaswap.distill.recipe import recipe_summary, shipped_recipes
+from glaswap.distill.train import length_defaults
 from glaswap.distill.loop import Interrupted, evaluate_blocks
 from glaswap.errors import GlaswapError
 from glaswap.models.modeling_glaswap import GLASwapForCausalLM
@@ -41,6 +42,23 @@ def test_every_shipped_recipe_validates_and_names_its_command():
         assert "glaswap distill" in first or "torchrun" in first
         assert 20 < len(recipe_summary(path)) <= 100, (path, recipe_summary(path))  # `glaswap recipes`' line
         assert recipe.stage2.lora_rank >= 1 and recipe.data.train
+        if recipe.model.options.get("window"):
+            # a hybrid's state must not outgrow its exact part past the training length
+            assert (length_defaults(recipe) | recipe.model.options)["decay_horizon"] == recipe.data.seq_len, name
+
+
+def test_length_defaults_follow_the_training_length_unless_the_recipe_sets_them():
+    demo = "smollm2-135m-demo"
+    hybrid = load_recipe(demo, ["model.options={window: 64, sinks: 4}", "data.seq_len=2048"])
+    assert length_defaults(hybrid) == {"rope_max_wavelength": 2048.0, "decay_horizon": 2048.0}
+    # pure GLA: RoPE's default only
+    assert length_defaults(load_recipe(demo, ["model.options={window: 0}"])) == {"rope_max_wavelength": 256.0}
+    # a starting decay the horizon would not allow (0.98 >= exp(-1/32)): no horizon, not an error
+    short = load_recipe(demo, ["model.options={window: 8}", "data.seq_len=32"])
+    assert length_defaults(short) == {"rope_max_wavelength": 32.0}
+    # what the recipe sets wins
+    own = load_recipe(demo, ["model.options={window: 64, decay_horizon: 512}"])
+    assert (length_defaults(own) | own.model.options)["decay_horizon"] == 512
 
 
 def test_overrides_and_errors(tmp_path):

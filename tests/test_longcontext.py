@@ -334,8 +334,9 @@ def test_demo_model_keeps_its_loss_past_the_training_length(tmp_path):
     """The README's main job as shipped (SmolLM2 distilled on 256-token sequences), then
     Paradise Lost, never trained on, read in one pass to 8x the training length: past the
     training length each bin's one-pass loss stays within 0.1 nats of the windowed loss on the
-    same tokens. With every RoPE pair rotated (rope_max_wavelength=0) the one-pass loss climbs
-    to 0.4 nats above the windowed one by the 1K-2K bin."""
+    same tokens (with every RoPE pair rotated, rope_max_wavelength=0, the one-pass loss climbs
+    to 0.4 nats above the windowed one by the 1K-2K bin); and a passkey at 16x the training
+    length."""
     from test_eval import milton
 
     from glaswap.distill import distill, load_recipe
@@ -352,3 +353,9 @@ def test_demo_model_keeps_its_loss_past_the_training_length(tmp_path):
         assert b["student_one_pass"] <= b["student_windowed"] + 0.1, bins
     overall = res["overall"]
     assert overall["stateful"]["ppl"] <= overall["student"]["ppl"] * 1.05, overall
+    # A key stated at the start of a 4K prompt (16x the training length), read back through a
+    # 64-slot sparse cache: the recipe's decay horizon keeps the state's sums from outweighing
+    # the cache (the key's nats about 2; about 8 without the horizon, 24 without the cache).
+    pk = passkey_mod.passkey(tmp_path / "demo", lengths=(4096,), depths=(0.0,), trials=2, teacher=None,
+                             sparse_cache=64, out=tmp_path / "pk", log=lambda *_: None)
+    assert pk["cells"][0]["student"]["key_nats"] < 5, pk["cells"]

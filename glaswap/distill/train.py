@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import json
+import math
 import os
 import shutil
 from pathlib import Path
@@ -37,6 +38,7 @@ from glaswap.distill.parallel import Dist, setup_distributed
 from glaswap.distill.recipe import Recipe, dump_recipe
 from glaswap.distill.student import build_student, device_dtype, fuse_layers, lora_inputs_in_compute_dtype
 from glaswap.errors import GlaswapError
+from glaswap.models.configuration_glaswap import GLA_OPTIONS
 from glaswap.runtime import DTYPES, check_finite_weights, write_error
 
 
@@ -198,6 +200,21 @@ def _check_folders(out: Path, run: Path, resume: bool, force: bool):
         raise GlaswapError(f"an unfinished run is in {run}; pass --resume to continue it or --force to restart")
 
 
+def length_defaults(recipe: Recipe) -> dict:
+    """The options distill takes from the training length where the recipe leaves them out:
+    RoPE on the GLA path only for the pairs that turn within it (the slow pairs would show the
+    feature maps unseen angles past it), and for hybrid layers a decay horizon of that length,
+    where the starting decay allows one (the state's sums then stop growing within it, and on
+    longer inputs do not outweigh the exact window, sinks and sparse cache)."""
+    T = float(recipe.data.seq_len)
+    options = recipe.model.options
+    defaults = {"rope_max_wavelength": T}
+    start = float(options.get("gate_init_decay", GLA_OPTIONS["gate_init_decay"][0]))
+    if options.get("window") and start < math.exp(-1.0 / T):
+        defaults["decay_horizon"] = T
+    return defaults
+
+
 def _prepare_run_folder(run: Path, recipe: Recipe, resume: bool, force: bool, trust_remote_code: bool, log):
     """The run folder: resolved recipe, and the converted (step-0) model."""
     from glaswap.convert import convert
@@ -212,8 +229,7 @@ def _prepare_run_folder(run: Path, recipe: Recipe, resume: bool, force: bool, tr
     (run / "recipe.yaml").write_text(resolved)
     if not (run / "converted" / "glaswap.json").is_file():
         shutil.rmtree(run / "converted", ignore_errors=True)
-        # RoPE's slow pairs unrotated past the training length unless the recipe says otherwise
-        options = {"rope_max_wavelength": float(recipe.data.seq_len)} | recipe.model.options
+        options = length_defaults(recipe) | recipe.model.options
         convert(recipe.model.source, run / "converted", options=options,
                 seed=recipe.model.seed, trust_remote_code=trust_remote_code, log=log)
 
