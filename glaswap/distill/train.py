@@ -21,7 +21,6 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import json
-import math
 import os
 import shutil
 from pathlib import Path
@@ -38,7 +37,7 @@ from glaswap.distill.parallel import Dist, setup_distributed
 from glaswap.distill.recipe import Recipe, dump_recipe
 from glaswap.distill.student import build_student, device_dtype, fuse_layers, lora_inputs_in_compute_dtype
 from glaswap.errors import GlaswapError
-from glaswap.models.configuration_glaswap import GLA_OPTIONS
+from glaswap.models.configuration_glaswap import GLA_OPTIONS, decay_bound
 from glaswap.runtime import DTYPES, check_finite_weights, write_error
 
 
@@ -210,7 +209,7 @@ def length_defaults(recipe: Recipe) -> dict:
     options = recipe.model.options
     defaults = {"rope_max_wavelength": T}
     start = float(options.get("gate_init_decay", GLA_OPTIONS["gate_init_decay"][0]))
-    if options.get("window") and start < math.exp(-1.0 / T):
+    if options.get("window") and start < decay_bound(T):
         defaults["decay_horizon"] = T
     return defaults
 

@@ -49,6 +49,12 @@ GLA_OPTIONS = {
 }
 
 
+def decay_bound(horizon: float) -> float:
+    """The largest per-step decay that decay_horizon allows: exp(-1 / horizon), 1 without one.
+    gate_init_decay must lie below it."""
+    return math.exp(-1.0 / horizon) if horizon else 1.0
+
+
 def check_gla_options(opts):
     """Raise ValueError with one line per problem for invalid GLA option values."""
     for name, value in opts.items():
@@ -74,9 +80,9 @@ def check_gla_options(opts):
     horizon = float(merged["decay_horizon"])
     if horizon < 0:
         raise ValueError(f"invalid decay_horizon {merged['decay_horizon']!r}; expected >= 0 (0: no bound)")
-    if horizon and not float(merged["gate_init_decay"]) < math.exp(-1.0 / horizon):
+    if not float(merged["gate_init_decay"]) < decay_bound(horizon):
         raise ValueError(f"gate_init_decay {merged['gate_init_decay']} is not below exp(-1/decay_horizon) = "
-                         f"{math.exp(-1.0 / horizon):.6f}; lower gate_init_decay or raise decay_horizon")
+                         f"{decay_bound(horizon):.6f}; lower gate_init_decay or raise decay_horizon")
     for name in ("window", "sinks", "sparse_cache"):
         if isinstance(merged[name], bool) or not isinstance(merged[name], int) or merged[name] < 0:
             raise ValueError(f"invalid {name} {merged[name]!r}; expected a whole number >= 0")
