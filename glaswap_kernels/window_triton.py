@@ -353,28 +353,35 @@ class _Plan:
 
     def __init__(self, T, D, S, dtype, overrides=None, turned=False):
         self.BD = max(16, _next_pow2(D))
-        # 64 x 64 tiles up to 256 bytes a row (bf16/fp16 D <= 128, fp32 D <= 64); wider
-        # fp32 rows spill registers at 64 (ptxas, sm_90) and take 32
-        tile = 64 if self.BD * (4 if dtype == torch.float32 else 2) <= 256 else 32
+        fp32 = dtype == torch.float32
+        row = self.BD * (4 if fp32 else 2)              # bytes of a tile row
+        # 64 x 64 tiles for 16-bit rows up to 256 bytes (D <= 128); fp32 tiles spill
+        # registers at 64 rows (ptxas, sm_90: 26 KB at D64 in the backward kernels, 1 KB at
+        # D32) and take 32 rows over 8 warps
+        tile = 32 if fp32 or row > 256 else 64
         short = max(16, _next_pow2(T))
         self.BM = min(tile, short)
         self.BN = min(tile, short)
         self.BS = max(16, min(tile, _next_pow2(S)))
-        self.warps = 4 if self.BD <= 64 else 8
+        self.warps = 8 if fp32 or row >= 256 else 4
         # three stages hide the key loads behind the dots at 16-bit D128 (0.85 against 0.96 ms
         # for W128 S4 at 8x2048 H16 on an H200); at D64 they change nothing
         self.stages = 3 if self.BD == 128 and dtype != torch.float32 else 2
         # fp32 inputs get exact fp32 products (tf32 would cost them 3 decimal digits)
         self.prec = "ieee" if dtype == torch.float32 else "tf32"
         # the dq kernel's own rows and warps: turned sinks keep RoPE factors beside its tiles,
-        # which spill registers at 64-row tiles (ptxas, sm_90) unless spread over 8 warps (D64)
-        # or taken 32 rows at a time (D128)
+        # which spill registers (ptxas, sm_90) at 16-bit 64-row tiles unless spread over 8
+        # warps (D64) or taken 32 rows at a time (D128), and at fp32 D128 unless every tile
+        # is 16 rows
         self.dq_BM, self.dq_warps = self.BM, self.warps
-        if turned and S > 0 and dtype != torch.float32:
-            if self.BD <= 64:
-                self.dq_warps = 8
-            else:
-                self.dq_BM = min(self.BM, 32)
+        if turned and S > 0:
+            if not fp32:
+                if self.BD <= 64:
+                    self.dq_warps = 8
+                else:
+                    self.dq_BM = min(self.BM, 32)
+            elif self.BD >= 128:
+                self.BM = self.BN = self.dq_BM = min(self.BM, 16)
         for key, value in (overrides or {}).items():
             if not hasattr(self, key):
                 raise ValueError(f"unknown window launch option {key!r}")

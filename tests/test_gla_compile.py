@@ -104,7 +104,8 @@ def test_hybrid_kernels_compile_for_hopper():
     mix, RoPE) build for sm_90 at the recipes' head dims and at D 80 in float32, ptxas
     assembles each without spilling, and each fits a program's shared memory."""
     cases = [("bf16", 1, 512, 8, 2, 64, 128, 4, True), ("bf16", 1, 512, 8, 2, 64, 64, 0, False),
-             ("bf16", 1, 512, 4, 4, 128, 128, 4, True), ("fp32", 1, 256, 4, 2, 80, 16, 4, False)]
+             ("bf16", 1, 512, 4, 4, 128, 128, 4, True), ("fp32", 1, 256, 4, 2, 80, 16, 4, False),
+             ("fp32", 1, 256, 4, 2, 64, 16, 4, True), ("fp32", 1, 256, 4, 2, 64, 16, 4, False)]
     rows = compile_report([], [], window_cases=cases)
     names = {r["kernel"] for r in rows}
     assert names == {"_window_fwd_kernel", "_window_bwd_dq_kernel", "_window_bwd_dkv_kernel",
