@@ -33,8 +33,8 @@ q_r / c (u - i w with u, w = cos, sin over cos^2 + sin^2, exact whatever the tab
 and the sink key is k_r (u_j - i w_j)(turn_cos + i turn_sin). Only the query block's own
 rows of cos and sin and the S sink rows are read, and the sink part's gradients go back
 through the same factors into dq and dk (the transpose of a complex product is the product
-by its conjugate): no second RoPE pass over the keys, no full-size q_sink, k_sink or their
-gradients. rotate_half, the multiplication by i, is a second load of the same tile with its
+by its conjugate), so the sink operands and their gradients never exist at full size
+outside registers. rotate_half, the multiplication by i, is a second load of the same tile with its
 halves swapped (_load_rows_rh).
 
 GQA: the forward and dq programs take one query head each (H programs per block: more
