@@ -275,15 +275,6 @@ def _window_bwd_dq_kernel(q, k, v, o, do, lse, dlse, delta, dq, dks, dvs, cos, s
 
 
 @triton.jit
-def _sink_grads(dks, dvs, i_n, hk, c, n, S, HKV: tl.constexpr, D: tl.constexpr, BD: tl.constexpr):
-    """The sink buffers' rows for keys c (zero past the S sinks or the document)."""
-    dcols = tl.arange(0, BD)[None, :]
-    offs = ((i_n * HKV + hk) * S + c)[:, None] * D + dcols
-    msk = (c < S)[:, None] & (c < n)[:, None] & (dcols < D)
-    return tl.load(dks + offs, mask=msk, other=0.0), tl.load(dvs + offs, mask=msk, other=0.0)
-
-
-@triton.jit
 def _window_bwd_dkv_kernel(q, k, v, do, lse, delta, dk, dv, dks, dvs, cos, sin, tc, ts, cu, indices, T, TT,
                            scale2, scale, W, S,
                            H: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, BD: tl.constexpr,
@@ -301,17 +292,15 @@ def _window_bwd_dkv_kernel(q, k, v, do, lse, delta, dk, dv, dks, dvs, cos, sin, 
     cols = c[:, None]                     # tiles here are transposed: keys x queries
     dka = tl.zeros([BN, BD], tl.float32)
     dva = tl.zeros([BN, BD], tl.float32)
+    # the sink part's dk and dv: the dq kernel's buffers [documents, HKV, S, D], rows s0..
+    sink = (i_n * HKV + hk) * S * D
+    n_sink = tl.minimum(S, n) - s0
     if HAS_SINKS and ROPE:
-        # the sink part's dk and dv (the dq kernel's buffer) start the sums: loaded before the
-        # loop, the turn's factors are not live beside the loop's tiles
+        # loaded before the loop, so the turn's factors are not live beside the loop's tiles
         if s0 < S:
-            dkb, dva = _sink_grads(dks, dvs, i_n, hk, c, n, S, HKV, D, BD)
-            HALF: tl.constexpr = D // 2
-            dcols = tl.arange(0, BD)[None, :]
-            src = tl.where(dcols < HALF, dcols + HALF, dcols - HALF)
-            dkh = tl.load(dks + ((i_n * HKV + hk) * S + c)[:, None] * D + src,
-                          mask=(c < S)[:, None] & (c < n)[:, None] & (dcols < D), other=0.0)
-            dkh = tl.where(dcols < HALF, -dkh, dkh)
+            dkb = _load_rows(dks + sink, s0, n_sink, D, 0, D, BN, BD)
+            dkh = _load_rows_rh(dks + sink, s0, n_sink, D, D, BN, BD)
+            dva = _load_rows(dvs + sink, s0, n_sink, D, 0, D, BN, BD)
             a, b = _turn_factors(cos, sin, tc, ts, bos + s0, n - s0, TT, D, BN, BD)
             # back through the turned key k_r (a + i b): times (a - i b); the buffer holds
             # scaled sums, dka is scaled below
@@ -334,9 +323,8 @@ def _window_bwd_dkv_kernel(q, k, v, do, lse, delta, dk, dv, dks, dvs, cos, sin, 
     dka *= scale
     if HAS_SINKS and not ROPE:
         if s0 < S:
-            dkb, dvb = _sink_grads(dks, dvs, i_n, hk, c, n, S, HKV, D, BD)
-            dka += dkb
-            dva += dvb
+            dka += _load_rows(dks + sink, s0, n_sink, D, 0, D, BN, BD)
+            dva += _load_rows(dvs + sink, s0, n_sink, D, 0, D, BN, BD)
     _store_rows(dk + hk * D, dka, bos + s0, n - s0, KS, 0, D, BN, BD)
     _store_rows(dv + hk * D, dva, bos + s0, n - s0, KS, 0, D, BN, BD)
 
