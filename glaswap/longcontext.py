@@ -3,8 +3,10 @@
 `glaswap eval --by-position` reads each document in one pass with the student (its recurrent
 state carried from chunk to chunk) and with the teacher (up to the teacher's maximum
 positions), and reports the mean loss in doubling bins of absolute position: 0-1K, 1K-2K,
-2K-4K, ... The student's windowed loss on the same tokens stands beside it: a one-pass loss
-above the windowed one means that more context hurts.
+2K-4K, ... Both models' windowed losses on the same tokens stand beside it: a one-pass loss
+above the windowed one means that more context hurts, and the teacher's two columns show how
+much of a gap between the models lies inside a window and how much in the use of longer
+context.
 """
 
 from __future__ import annotations
@@ -72,22 +74,25 @@ def teacher_positions(teacher_model, student) -> int:
 
 
 def by_absolute_position(docs, first_bin: int, teacher_nll: list[np.ndarray], teacher_max: int) -> dict:
-    """The figures of `--by-position`: per bin, the student's one-pass and windowed loss and the
-    teacher's one-pass loss, over every token of every document (windowed: those scored)."""
+    """The figures of `--by-position`: per bin, the student's and the teacher's one-pass and
+    windowed loss, over every token of every document (windowed: those scored)."""
     n = max(len(d) for d in docs)
     bins = position_bins(n, first_bin)
     one = bin_means([d.onepass for d in docs], bins)
     win = bin_means([np.where(d.scored, d.nll["student"], np.nan) for d in docs], bins)
     tea = bin_means(teacher_nll, bins)
+    t_win = bin_means([np.where(d.scored, d.nll["teacher"], np.nan) for d in docs], bins)
     rows = []
-    for (lo, hi), (o, no), (w, nw), (t, nt) in zip(bins, one, win, tea):
+    for (lo, hi), (o, no), (w, nw), (t, nt), (tw, _) in zip(bins, one, win, tea, t_win):
         rows.append({"lo": lo, "hi": hi, "label": bin_label(lo, hi), "tokens": no, "student_one_pass": o,
-                     "student_windowed": w, "windowed_tokens": nw, "teacher_one_pass": t, "teacher_tokens": nt})
+                     "student_windowed": w, "windowed_tokens": nw, "teacher_one_pass": t, "teacher_tokens": nt,
+                     "teacher_windowed": tw})
     return {"first_bin": first_bin, "teacher_positions": teacher_max, "bins": rows}
 
 
 def format_by_position(fig: dict) -> str:
-    head = ("positions", "tokens", "student one-pass", "student windowed", "teacher one-pass", "ppl ratio")
+    head = ("positions", "tokens", "student one-pass", "student windowed", "teacher one-pass", "teacher windowed",
+            "ppl ratio")
     rows = [head]
 
     def f(x):
@@ -96,7 +101,8 @@ def format_by_position(fig: dict) -> str:
     for r in fig["bins"]:
         o, t = r["student_one_pass"], r["teacher_one_pass"]
         ratio = "-" if o is None or t is None else f"{math.exp(o - t):.3f}"
-        rows.append((r["label"], str(r["tokens"]), f(o), f(r["student_windowed"]), f(t), ratio))
+        rows.append((r["label"], str(r["tokens"]), f(o), f(r["student_windowed"]), f(t), f(r["teacher_windowed"]),
+                     ratio))
     widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
     lines = ["  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths)))
              for r in rows]
@@ -118,7 +124,8 @@ def plot_absolute(fig: dict, title: str, path: Path):
     p, ax = plt.subplots(figsize=(8, 4.5), dpi=120)
     for key, label, style in (("student_one_pass", "GLA model, one pass", "o-"),
                               ("student_windowed", "GLA model, windowed", "s--"),
-                              ("teacher_one_pass", "teacher, one pass", "^-")):
+                              ("teacher_one_pass", "teacher, one pass", "^-"),
+                              ("teacher_windowed", "teacher, windowed", "v--")):
         y = np.array([np.nan if r[key] is None else r[key] for r in bins])
         ok = np.isfinite(y)
         if ok.any():

@@ -167,6 +167,13 @@ def test_by_position_bins_match_independent_one_pass_losses(folder, tmp_path):
     # windowed: windows of 64 restart the state, so past 64 the two columns differ
     assert fig["bins"][0]["student_windowed"] == pytest.approx(fig["bins"][0]["student_one_pass"], abs=1e-4)
     assert fig["bins"][3]["student_windowed"] != pytest.approx(fig["bins"][3]["student_one_pass"], abs=1e-4)
+    # the teacher's windowed column: the same windows of 64, so one-pass up to 64 tokens
+    assert fig["bins"][0]["teacher_windowed"] == pytest.approx(fig["bins"][0]["teacher_one_pass"], abs=1e-4)
+    with torch.no_grad(), model.attention_mode("softmax"):
+        w = ids[:, 64:128]                          # the second window starts a new context at token 64
+        tail = F.cross_entropy(model(input_ids=w).logits[0, :-1], w[0, 1:], reduction="none")
+    assert fig["bins"][2]["teacher_windowed"] == pytest.approx(tail.mean().item(), abs=1e-4)
+    assert fig["bins"][2]["teacher_windowed"] != pytest.approx(fig["bins"][2]["teacher_one_pass"], abs=1e-4)
     png = tmp_path / "o" / (json.loads(json.dumps(res["outputs"]))["positions_png"].split("/")[-1])
     assert png.read_bytes()[:4] == b"\x89PNG"
     saved = json.loads((tmp_path / "o" / res["outputs"]["json"].split("/")[-1]).read_text())
