@@ -11,7 +11,6 @@ Each shape is first checked in bf16 against the float32 reference on its first 2
 
     python benchmarks/bench_window.py
     python benchmarks/bench_window.py --window 128 --set BM=32 --set BN=32   # tuning
-    python benchmarks/bench_window.py --window 128 --turned   # sinks turned as a hybrid layer's
     python benchmarks/bench_window.py --dry-run        # CPU, Triton interpreter, tiny shapes
 """
 
@@ -57,18 +56,6 @@ def _randn(*shape, gen, device, grad=True):
     return x.requires_grad_(grad)
 
 
-def sink_rope(args, T, D, device):
-    """The hybrid layer's sink_rope for --turned (None otherwise): RoPE tables at positions
-    0..T-1 (theta 5e5, bf16 as a model's) and the turn back by the window."""
-    if not args.turned:
-        return None
-    inv = 1.0 / 5e5 ** (torch.arange(0, D, 2, device=device, dtype=torch.float32) / D)
-    ang = torch.arange(T, device=device, dtype=torch.float32)[:, None] * inv
-    ang = torch.cat([ang, ang], -1)[None]
-    turn = torch.cat([args.window * inv, args.window * inv])
-    return ang.cos().to(torch.bfloat16), ang.sin().to(torch.bfloat16), turn.cos(), -turn.sin()
-
-
 def check(s, args, window_triton, window_torch, device):
     """bf16 kernels, with the launch options being timed, vs the float32 reference (relative
     RMS of o, lse, dq, dk, dv)."""
@@ -78,10 +65,8 @@ def check(s, args, window_triton, window_torch, device):
     do = _randn(1, T, s["H"], s["D"], gen=gen, device=device, grad=False)
     dlse = torch.randn(1, T, s["H"], device=device, generator=gen)
     rs = [x.detach().float().requires_grad_() for x in (q, k, v)]
-    rope = sink_rope(args, T, s["D"], device)
-    o, lse = window_triton.fused_window_attention(q, k, v, args.window, args.sinks, sink_rope=rope,
-                                                  _overrides=args.overrides)
-    o_r, lse_r = window_torch.window_attention_torch(*rs, args.window, args.sinks, sink_rope=rope)
+    o, lse = window_triton.fused_window_attention(q, k, v, args.window, args.sinks, _overrides=args.overrides)
+    o_r, lse_r = window_torch.window_attention_torch(*rs, args.window, args.sinks)
     got = torch.autograd.grad((o, lse), (q, k, v), (do, dlse))
     want = torch.autograd.grad((o_r, lse_r), rs, (do.float(), dlse))
     errs = [rel(o, o_r), rel(lse, lse_r)] + [rel(a, b) for a, b in zip(got, want)]
@@ -100,11 +85,10 @@ def time_window(s, args, window_triton, device):
             + (_randn(B, T, H, D, gen=gen, device=device, grad=False),
                torch.randn(B, T, H, device=device, generator=gen)) for _ in range(3)]
     nxt = _rotating(sets)
-    rope = sink_rope(args, T, D, device)
 
     def fwd_bwd():
         q, k, v, do, dlse = nxt()
-        o, lse = window_triton.fused_window_attention(q, k, v, args.window, args.sinks, sink_rope=rope,
+        o, lse = window_triton.fused_window_attention(q, k, v, args.window, args.sinks,
                                                       _overrides=args.overrides)
         torch.autograd.grad((o, lse), (q, k, v), (do, dlse))
     return bench(fwd_bwd)
@@ -154,9 +138,7 @@ def main(argv=None):
     ap.add_argument("--sinks", type=int, default=4)
     ap.add_argument("--pm", action="store_true", help="GLA at hedgehog_pm width (K = 2D)")
     ap.add_argument("--set", action="append", metavar="KEY=VALUE",
-                    help="a launch option of window_triton._Plan (BM, BN, BS, warps, stages, dq_BM, dq_warps)")
-    ap.add_argument("--turned", action="store_true",
-                    help="sinks scored unrotated through RoPE tables, as the hybrid layer does")
+                    help="a launch option of window_triton._Plan (BM, BN, BS, warps, stages)")
     ap.add_argument("--no-check", action="store_true")
     ap.add_argument("--dry-run", action="store_true",
                     help="test this script on CPU (Triton interpreter, tiny shapes, rough timer)")
@@ -171,7 +153,7 @@ def main(argv=None):
     import triton
     name = torch.cuda.get_device_name() if device == "cuda" else "cpu (dry run)"
     print(f"# {name} | torch {torch.__version__} | triton {triton.__version__} | window "
-          f"{args.window} sinks {args.sinks}{' turned' if args.turned else ''} | gla K = {'2D' if args.pm else 'D'} | "
+          f"{args.window} sinks {args.sinks} | gla K = {'2D' if args.pm else 'D'} | "
           f"overrides {args.overrides or '-'}")
     head = (f"{'shape':18s} {'check':5s} | {'window':>7s} {'gla':>7s} {'sdpa':>7s} | "
             f"{'win/gla':>7s} {'hyb/gla':>7s} {'sdpa/hyb':>8s}")

@@ -103,18 +103,19 @@ def recurrent_gla(q, k, v, g, scale=None, initial_state=None, output_final_state
                                output_final_state=output_final_state)
 
 
-def window_attention(q, k, v, window, sinks=0, scale=None, cu_seqlens=None, sink_rope=None, backend="auto"):
+def window_attention(q, k, v, window, sinks=0, scale=None, cu_seqlens=None, q_sink=None, k_sink=None,
+                     backend="auto"):
     """Softmax attention of each token over its last `window` tokens and its document's
     first `sinks`: (o [B, T, H, D] in q's dtype, lse [B, T, H] float32, natural log),
     both differentiable. q [B, T, H, D], k and v [B, T, Hkv, D]; cu_seqlens [N+1] packs
-    documents (B == 1). scale defaults to 1/sqrt(D). sink_rope = (cos, sin, turn_cos,
-    turn_sin): q and k come rotated by RoPE tables cos, sin [B or 1, T, D], and the sinks the
-    window does not cover are scored unrotated, the key turned by (turn_cos, turn_sin) [D]
-    (window_torch.sink_operands; default: scored with q and k as they are)."""
-    check_window_inputs(q, k, v, window, sinks, scale, cu_seqlens, sink_rope)
+    documents (B == 1). scale defaults to 1/sqrt(D). q_sink and k_sink (shaped as q and k)
+    score the sinks the window does not cover (default: q and k)."""
+    check_window_inputs(q, k, v, window, sinks, scale, cu_seqlens, q_sink, k_sink)
     if _use_triton(q, backend):
-        return fused_window_attention(q, k, v, window, sinks, scale=scale, cu_seqlens=cu_seqlens, sink_rope=sink_rope)
-    return window_attention_torch(q, k, v, window, sinks, scale=scale, cu_seqlens=cu_seqlens, sink_rope=sink_rope)
+        return fused_window_attention(q, k, v, window, sinks, scale=scale, cu_seqlens=cu_seqlens,
+                                      q_sink=q_sink, k_sink=k_sink)
+    return window_attention_torch(q, k, v, window, sinks, scale=scale, cu_seqlens=cu_seqlens,
+                                  q_sink=q_sink, k_sink=k_sink)
 
 
 def window_mix(o_win, lse, o_lin, logit, shared=True, eps=1e-6, backend="auto"):

@@ -8,12 +8,10 @@ Token i of a document attends with softmax(scale * q_i . k_j) to the keys j with
 
 each key counted once. Positions and sinks restart at every document start of a packed
 batch (`cu_seqlens`, B == 1). A sink that the window does not cover (j <= i - window) is
-scored as scale * q_s_i . k_s_j, with (q_s, k_s) = sink_operands(q, k, *sink_rope) when
-sink_rope = (cos, sin, turn_cos, turn_sin) is given, else q and k: the hybrid layer's q and
-k come rotated by the teacher's RoPE (cos, sin), and its sinks are scored unrotated, the key
-turned to a fixed distance, so a sink's score does not depend on how far back it lies (past
-a teacher's trained positions a true RoPE distance gives scores the teacher never
-produced). The op returns the normalised output o [B, T, H, D] in q's
+scored as scale * q_sink_i . k_sink_j, with q_sink and k_sink defaulting to q and k: the
+hybrid layer passes its unrotated queries and sink keys rotated to a fixed distance, so a
+sink's score does not depend on how far back it lies (past a teacher's trained positions a
+true RoPE distance gives scores the teacher never produced). The op returns the normalised output o [B, T, H, D] in q's
 dtype and lse [B, T, H] float32 = log sum_j exp(scale * q_i . k_j) over the allowed keys:
 a caller that mixes the window with another attention part (the GLA state) re-weights o by
 exp(lse), so lse is an output with a gradient of its own.
@@ -28,15 +26,20 @@ import math
 
 import torch
 
-from .gla_torch import apply_rope, rotate_half
-
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
-def check_window_inputs(q, k, v, window, sinks, scale, cu_seqlens, sink_rope=None):
+def check_window_inputs(q, k, v, window, sinks, scale, cu_seqlens, q_sink=None, k_sink=None):
     """Shapes, dtypes and arguments of window_attention; one-line ValueErrors. The values of
     cu_seqlens (host data) are checked where they are read: window_bounds, or the kernels'
     launch metadata."""
+    if (q_sink is None) != (k_sink is None):
+        raise ValueError("q_sink and k_sink go together: give both or neither")
+    for name, x, like in (("q_sink", q_sink, q), ("k_sink", k_sink, k)):
+        if x is not None and (not isinstance(x, torch.Tensor) or x.shape != like.shape or x.dtype != like.dtype
+                              or x.device != like.device):
+            raise ValueError(f"{name} must match {'q' if like is q else 'k'} in shape, dtype and device, got "
+                             f"{getattr(x, 'shape', type(x))}")
     for name, x in (("q", q), ("k", k), ("v", v)):
         if not isinstance(x, torch.Tensor) or x.ndim != 4:
             raise ValueError(f"{name} must be a 4-D tensor [B, T, heads, D], got "
@@ -69,33 +72,7 @@ def check_window_inputs(q, k, v, window, sinks, scale, cu_seqlens, sink_rope=Non
             raise ValueError("cu_seqlens must be a 1-D int32/int64 tensor of N+1 document offsets")
         if B != 1:
             raise ValueError(f"cu_seqlens needs B == 1 (packed documents), got B={B}")
-    if sink_rope is not None:
-        if not (isinstance(sink_rope, (tuple, list)) and len(sink_rope) == 4
-                and all(isinstance(t, torch.Tensor) and t.device == q.device for t in sink_rope)):
-            raise ValueError("sink_rope must be four tensors on q's device: (cos, sin, turn_cos, turn_sin)")
-        cos, sin, tc, ts = sink_rope
-        if D % 2 or cos.shape != sin.shape or cos.shape not in ((1, T, D), (B, T, D)) \
-                or tc.shape != (D,) or ts.shape != (D,):
-            raise ValueError(f"sink_rope wants cos and sin [B or 1, T, D] and turns [D], D even (D={D}); "
-                             f"got {tuple(cos.shape)}, {tuple(sin.shape)}, {tuple(tc.shape)}, {tuple(ts.shape)}")
     return B, T, H, Hkv, D
-
-
-def unrope(x, cos, sin):
-    """The inverse of apply_rope(x, cos, sin) (per pair of columns RoPE multiplies by
-    cos + i sin; this divides by it, whatever the tables' scale), float32."""
-    n2 = cos.float() ** 2 + sin.float() ** 2
-    u, w = (cos.float() / n2).unsqueeze(2), (sin.float() / n2).unsqueeze(2)
-    x = x.float()
-    return x * u - rotate_half(x) * w
-
-
-def sink_operands(q, k, cos, sin, turn_cos, turn_sin):
-    """(q_s, k_s) float32: the queries and keys a sink outside the window is scored with,
-    from q and k rotated by (cos, sin): q unrotated, and k unrotated then turned by
-    (turn_cos, turn_sin) [D]."""
-    turn = [t.float().view(1, 1, -1) for t in (turn_cos, turn_sin)]
-    return unrope(q, cos, sin), apply_rope(unrope(k, cos, sin), *turn)
 
 
 def window_bounds(cu_seqlens, B, T):
@@ -108,13 +85,13 @@ def window_bounds(cu_seqlens, B, T):
     return [(0, a, b) for a, b in zip(cu, cu[1:])]
 
 
-def window_attention_torch(q, k, v, window, sinks=0, scale=None, cu_seqlens=None, sink_rope=None, block=256):
-    """(o [B, T, H, D] in q's dtype, lse [B, T, H] float32); differentiable in q, k, v
-    through both outputs (autograd on float32 maths). Queries go `block` rows at a time
-    against their window's keys and the sinks before it: memory O(T (W + S + block)), so a
-    whole long document can be read on a CPU."""
-    B, T, H, Hkv, D = check_window_inputs(q, k, v, window, sinks, scale, cu_seqlens, sink_rope)
-    q_sink, k_sink = sink_operands(q, k, *sink_rope) if sink_rope is not None and sinks else (None, None)
+def window_attention_torch(q, k, v, window, sinks=0, scale=None, cu_seqlens=None, q_sink=None, k_sink=None,
+                           block=256):
+    """(o [B, T, H, D] in q's dtype, lse [B, T, H] float32); differentiable in q, k, v (and
+    q_sink, k_sink) through both outputs (autograd on float32 maths). Queries go `block` rows
+    at a time against their window's keys and the sinks before it: memory O(T (W + S + block)),
+    so a whole long document can be read on a CPU."""
+    B, T, H, Hkv, D = check_window_inputs(q, k, v, window, sinks, scale, cu_seqlens, q_sink, k_sink)
     scale = D ** -0.5 if scale is None else float(scale)
     group = H // Hkv
     heads = lambda x: x.float().transpose(0, 1)                             # [n, h, D] -> [h, n, D]  # noqa: E731
@@ -130,7 +107,7 @@ def window_attention_torch(q, k, v, window, sinks=0, scale=None, cu_seqlens=None
             in_window, sink = (j <= i) & (i - j < window), (j < sinks) & (j <= i - window)
             kd = heads(k[b, cols]).repeat_interleave(group, 0)
             s = scale * heads(q[b, a:e]) @ kd.transpose(1, 2)              # [H, rows, keys]
-            if q_sink is not None:
+            if q_sink is not None and sinks:
                 ks = heads(k_sink[b, cols]).repeat_interleave(group, 0)
                 s = torch.where(sink, scale * heads(q_sink[b, a:e]) @ ks.transpose(1, 2), s)
             s = s.masked_fill(~(in_window | sink), float("-inf"))

@@ -24,18 +24,9 @@ Backward, two kernels:
   the queries i in [j, j + W) of its keys, for every query head of its group (summing the
   group in registers, so dk and dv need no atomics), plus the sink buffer for the sink keys.
 
-Turned sinks (ROPE, the hybrid layer's case): q and k come rotated by the teacher's RoPE
-tables cos, sin, and a sink that the window does not cover is scored with the unrotated
-query against the unrotated key turned by a fixed rotation (turn_cos, turn_sin), as
-window_torch.sink_operands defines. The kernels undo the rotation in registers: per pair of
-columns RoPE multiplies by the complex number c = cos + i sin, so the unrotated query is
-q_r / c (u - i w with u, w = cos, sin over cos^2 + sin^2, exact whatever the tables' scale)
-and the sink key is k_r (u_j - i w_j)(turn_cos + i turn_sin). Only the query block's own
-rows of cos and sin and the S sink rows are read, and the sink part's gradients go back
-through the same factors into dq and dk (the transpose of a complex product is the product
-by its conjugate), so the sink operands and their gradients never exist at full size
-outside registers. rotate_half, the multiplication by i, is a second load of the same tile with its
-halves swapped (_load_rows_rh).
+Split sinks (SPLIT): the sink part is scored with its own queries and keys, q_sink and k_sink
+(window_torch's contract); dq then gets the window part, dq_sink the sink part, and the sink
+buffer's dk goes to k_sink's first S rows of each document instead of k's.
 
 GQA: the forward and dq programs take one query head each (H programs per block: more
 parallel programs at short T; the G heads of a group reread the same k/v tiles, which
@@ -92,74 +83,25 @@ def _load_vec(ptr, t0, n_valid, H: tl.constexpr, BT: tl.constexpr):
 
 
 @triton.jit
-def _load_rows_rh(ptr, t0, n_valid, stride_t, D: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr):
-    """rotate_half of a [BT, BD] row tile, float32: [-x2, x1] per row (halves of D), zero past D."""
-    HALF: tl.constexpr = D // 2
-    rows = tl.arange(0, BT)[:, None]
-    cols = tl.arange(0, BD)[None, :]
-    src = tl.where(cols < HALF, cols + HALF, cols - HALF)
-    x = tl.load(ptr + t0 * stride_t + (rows * stride_t + src), mask=(rows < n_valid) & (cols < D), other=0.0)
-    x = x.to(tl.float32)
-    return tl.where(cols < HALF, -x, x)
-
-
-@triton.jit
-def _unrope_factors(cos, sin, r0, n_valid, TT, D: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr):
-    """(u, w) [BT, BD] float32 of rows r0.. (token rows, taken modulo the tables' TT rows):
-    x_r (u - i w) undoes x_r = x (cos + i sin) per pair of columns."""
-    rows = tl.arange(0, BT)[:, None]
-    cols = tl.arange(0, BD)[None, :]
-    m = (rows < n_valid) & (cols < D)
-    off = ((r0 + rows) % TT) * D + cols
-    c = tl.load(cos + off, mask=m, other=0.0).to(tl.float32)
-    s = tl.load(sin + off, mask=m, other=0.0).to(tl.float32)
-    n2 = c * c + s * s
-    inv = tl.where(n2 > 0, 1.0 / tl.where(n2 > 0, n2, 1.0), 0.0)
-    return c * inv, s * inv
-
-
-@triton.jit
-def _sink_queries(qb, q_ptr, cos, sin, r0, n_valid, TT, QS: tl.constexpr, D: tl.constexpr,
-                  BM: tl.constexpr, BD: tl.constexpr, ROPE: tl.constexpr):
-    """The sink part's query tile: q_r (u - i w) under ROPE, else the window part's own."""
+def _sink_operands(qb, k_ptr, qs, ks, h, hk, bos, t0, n, QS: tl.constexpr, D: tl.constexpr, BD: tl.constexpr,
+                   BM: tl.constexpr, SPLIT: tl.constexpr):
+    """The sink part's query tile and key pointer: q_sink's and k_sink's when SPLIT, else the
+    window part's own."""
     qsb = qb
-    if ROPE:
-        u, w = _unrope_factors(cos, sin, r0, n_valid, TT, D, BM, BD)
-        qrh = _load_rows_rh(q_ptr, r0, n_valid, QS, D, BM, BD)
-        qsb = (qb.to(tl.float32) * u - qrh * w).to(qb.dtype)
-    return qsb
+    ks_ptr = k_ptr
+    if SPLIT:
+        qsb = _load_rows(qs + h * D, bos + t0, n - t0, QS, 0, D, BM, BD)
+        ks_ptr = ks + hk * D
+    return qsb, ks_ptr
 
 
 @triton.jit
-def _turn_factors(cos, sin, tc, ts, r0, n_valid, TT, D: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr):
-    """(a, b) [BT, BD] float32 with k_r (a + i b) = the unrotated key turned by (tc, ts)."""
-    u, w = _unrope_factors(cos, sin, r0, n_valid, TT, D, BT, BD)
-    cols = tl.arange(0, BD)
-    tcv = tl.load(tc + cols, mask=cols < D, other=0.0)[None, :]
-    tsv = tl.load(ts + cols, mask=cols < D, other=0.0)[None, :]
-    return u * tcv + w * tsv, u * tsv - w * tcv
-
-
-@triton.jit
-def _sink_keys(k_ptr, cos, sin, tc, ts, bos, j0, n, TT, KS: tl.constexpr, D: tl.constexpr,
-               BS: tl.constexpr, BD: tl.constexpr, ROPE: tl.constexpr):
-    """The sink tile's keys and their rotate_half (both in k's dtype; the second is only
-    meaningful under ROPE): turned from k_r's rows under ROPE, else k's rows as they are."""
-    kb = _load_rows(k_ptr, bos + j0, n - j0, KS, 0, D, BS, BD)
-    kh = kb
-    if ROPE:
-        a, b = _turn_factors(cos, sin, tc, ts, bos + j0, n - j0, TT, D, BS, BD)
-        kf = kb.to(tl.float32)
-        krh = _load_rows_rh(k_ptr, bos + j0, n - j0, KS, D, BS, BD)
-        kh = (krh * a - kf * b).to(kb.dtype)
-        kb = (kf * a + krh * b).to(kb.dtype)
-    return kb, kh
-
-
-@triton.jit
-def _fwd_tile(qb, kb, vb, allowed, m, l, acc, scale2, PREC: tl.constexpr):
-    """One key tile of the online softmax (scores in log2 units; m starts finite, so a row
+def _fwd_block(qb, k_ptr, v_ptr, bos, j0, n, KS, allowed, m, l, acc, scale2,
+               D: tl.constexpr, BD: tl.constexpr, BN: tl.constexpr, PREC: tl.constexpr):
+    """One key block of the online softmax (scores in log2 units; m starts finite, so a row
     with no allowed key yet keeps alpha = 1 and p = 0 instead of NaN)."""
+    kb = _load_rows(k_ptr, bos + j0, n - j0, KS, 0, D, BN, BD)
+    vb = _load_rows(v_ptr, bos + j0, n - j0, KS, 0, D, BN, BD)
     s = tl.dot(qb, tl.trans(kb), input_precision=PREC) * scale2
     s = tl.where(allowed, s, float("-inf"))
     m_new = tl.maximum(m, tl.max(s, 1))
@@ -171,10 +113,10 @@ def _fwd_tile(qb, kb, vb, allowed, m, l, acc, scale2, PREC: tl.constexpr):
 
 
 @triton.jit
-def _window_fwd_kernel(q, k, v, o, lse, cos, sin, tc, ts, cu, indices, T, TT, scale2, W, S,
+def _window_fwd_kernel(q, k, v, qs, ks, o, lse, cu, indices, T, scale2, W, S,
                        H: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, BD: tl.constexpr,
                        BM: tl.constexpr, BN: tl.constexpr, BS: tl.constexpr,
-                       HAS_SINKS: tl.constexpr, ROPE: tl.constexpr, IS_VARLEN: tl.constexpr,
+                       HAS_SINKS: tl.constexpr, SPLIT: tl.constexpr, IS_VARLEN: tl.constexpr,
                        PREC: tl.constexpr):
     pid, h = tl.program_id(0), tl.program_id(1)
     i_n, t0, bos, n = _doc(pid, cu, indices, T, BM, IS_VARLEN)
@@ -188,17 +130,17 @@ def _window_fwd_kernel(q, k, v, o, lse, cos, sin, tc, ts, cu, indices, T, TT, sc
     l = tl.zeros([BM], tl.float32)
     acc = tl.zeros([BM, BD], tl.float32)
     if HAS_SINKS:
-        qsb = _sink_queries(qb, q + h * D, cos, sin, bos + t0, n - t0, TT, QS, D, BM, BD, ROPE)
+        qsb, ks_ptr = _sink_operands(qb, k_ptr, qs, ks, h, hk, bos, t0, n, QS, D, BD, BM, SPLIT)
         for j0 in range(0, tl.minimum(S, t0 + BM - W), BS):
             cols = (j0 + tl.arange(0, BS))[None, :]
-            kb, kh = _sink_keys(k_ptr, cos, sin, tc, ts, bos, j0, n, TT, KS, D, BS, BD, ROPE)
-            vb = _load_rows(v_ptr, bos + j0, n - j0, KS, 0, D, BS, BD)
-            m, l, acc = _fwd_tile(qsb, kb, vb, (cols < S) & (cols <= rows - W), m, l, acc, scale2, PREC)
+            allowed = (cols < S) & (cols <= rows - W)
+            m, l, acc = _fwd_block(qsb, ks_ptr, v_ptr, bos, j0, n, KS, allowed, m, l, acc,
+                                   scale2, D, BD, BS, PREC)
     for j0 in range(tl.maximum(t0 - W + 1, 0), tl.minimum(t0 + BM, n), BN):
         cols = (j0 + tl.arange(0, BN))[None, :]
-        kb = _load_rows(k_ptr, bos + j0, n - j0, KS, 0, D, BN, BD)
-        vb = _load_rows(v_ptr, bos + j0, n - j0, KS, 0, D, BN, BD)
-        m, l, acc = _fwd_tile(qb, kb, vb, (cols <= rows) & (cols > rows - W), m, l, acc, scale2, PREC)
+        allowed = (cols <= rows) & (cols > rows - W)
+        m, l, acc = _fwd_block(qb, k_ptr, v_ptr, bos, j0, n, KS, allowed, m, l, acc,
+                               scale2, D, BD, BN, PREC)
     l = tl.where(l > 0, l, 1.0)          # rows past the document end (never stored)
     _store_rows(o + h * D, acc / l[:, None], bos + t0, n - t0, QS, 0, D, BM, BD)
     r = tl.arange(0, BM)
@@ -216,11 +158,11 @@ def _bwd_scores(qb, dob, kb, vb, lse2, delta, allowed, scale2, PREC: tl.constexp
 
 
 @triton.jit
-def _window_bwd_dq_kernel(q, k, v, o, do, lse, dlse, delta, dq, dks, dvs, cos, sin, tc, ts, cu, indices, T, TT,
+def _window_bwd_dq_kernel(q, k, v, qs, ks, o, do, lse, dlse, delta, dq, dqs, dks, dvs, cu, indices, T,
                           scale2, scale, W, S,
                           H: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, BD: tl.constexpr,
                           BM: tl.constexpr, BN: tl.constexpr, BS: tl.constexpr,
-                          HAS_SINKS: tl.constexpr, ROPE: tl.constexpr, HAS_DLSE: tl.constexpr,
+                          HAS_SINKS: tl.constexpr, SPLIT: tl.constexpr, HAS_DLSE: tl.constexpr,
                           IS_VARLEN: tl.constexpr, PREC: tl.constexpr):
     pid, h = tl.program_id(0), tl.program_id(1)
     i_n, t0, bos, n = _doc(pid, cu, indices, T, BM, IS_VARLEN)
@@ -241,22 +183,17 @@ def _window_bwd_dq_kernel(q, k, v, o, do, lse, dlse, delta, dq, dks, dvs, cos, s
     valid = rows < n
     dqa = tl.zeros([BM, BD], tl.float32)
     if HAS_SINKS:
-        qsb = _sink_queries(qb, q + h * D, cos, sin, bos + t0, n - t0, TT, QS, D, BM, BD, ROPE)
+        qsb, ks_ptr = _sink_operands(qb, k_ptr, qs, ks, h, hk, bos, t0, n, QS, D, BD, BM, SPLIT)
+        dqsa = tl.zeros([BM, BD], tl.float32)
         dcols = tl.arange(0, BD)[None, :]
         for j0 in range(0, tl.minimum(S, t0 + BM - W), BS):
             c = j0 + tl.arange(0, BS)
             cols = c[None, :]
-            kb, kh = _sink_keys(k_ptr, cos, sin, tc, ts, bos, j0, n, TT, KS, D, BS, BD, ROPE)
+            kb = _load_rows(ks_ptr, bos + j0, n - j0, KS, 0, D, BS, BD)
             vb = _load_rows(v_ptr, bos + j0, n - j0, KS, 0, D, BS, BD)
             p, ds = _bwd_scores(qsb, dob, kb, vb, lse2, dl, valid & (cols < S) & (cols <= rows - W),
                                 scale2, PREC)
-            if ROPE:  # back through q_s = q_r (u - i w): times (u + i w)
-                dqk = tl.dot(ds.to(kb.dtype), kb, input_precision=PREC)
-                dqkh = tl.dot(ds.to(kb.dtype), kh, input_precision=PREC)
-                u, w = _unrope_factors(cos, sin, bos + t0, n - t0, TT, D, BM, BD)
-                dqa += dqk * u + dqkh * w
-            else:
-                dqa += tl.dot(ds.to(kb.dtype), kb, input_precision=PREC)
+            dqsa += tl.dot(ds.to(kb.dtype), kb, input_precision=PREC)
             # this block's share of the sink keys' dk and dv (see the header)
             dv_part = tl.dot(tl.trans(p.to(dob.dtype)), dob, input_precision=PREC)
             dk_part = tl.dot(tl.trans(ds.to(qsb.dtype)), qsb, input_precision=PREC) * scale
@@ -264,6 +201,10 @@ def _window_bwd_dq_kernel(q, k, v, o, do, lse, dlse, delta, dq, dks, dvs, cos, s
             msk = (c < S)[:, None] & (dcols < D)
             tl.atomic_add(dvs + offs, dv_part, mask=msk)
             tl.atomic_add(dks + offs, dk_part, mask=msk)
+        if SPLIT:
+            _store_rows(dqs + h * D, dqsa * scale, bos + t0, n - t0, QS, 0, D, BM, BD)
+        else:
+            dqa += dqsa
     for j0 in range(tl.maximum(t0 - W + 1, 0), tl.minimum(t0 + BM, n), BN):
         cols = (j0 + tl.arange(0, BN))[None, :]
         kb = _load_rows(k_ptr, bos + j0, n - j0, KS, 0, D, BN, BD)
@@ -275,11 +216,11 @@ def _window_bwd_dq_kernel(q, k, v, o, do, lse, dlse, delta, dq, dks, dvs, cos, s
 
 
 @triton.jit
-def _window_bwd_dkv_kernel(q, k, v, do, lse, delta, dk, dv, dks, dvs, cos, sin, tc, ts, cu, indices, T, TT,
+def _window_bwd_dkv_kernel(q, k, v, do, lse, delta, dk, dv, dks, dvs, cu, indices, T,
                            scale2, scale, W, S,
                            H: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, BD: tl.constexpr,
                            BM: tl.constexpr, BN: tl.constexpr,
-                           HAS_SINKS: tl.constexpr, ROPE: tl.constexpr, IS_VARLEN: tl.constexpr,
+                           HAS_SINKS: tl.constexpr, SPLIT: tl.constexpr, IS_VARLEN: tl.constexpr,
                            PREC: tl.constexpr):
     pid, hk = tl.program_id(0), tl.program_id(1)
     i_n, s0, bos, n = _doc(pid, cu, indices, T, BN, IS_VARLEN)
@@ -292,19 +233,6 @@ def _window_bwd_dkv_kernel(q, k, v, do, lse, delta, dk, dv, dks, dvs, cos, sin, 
     cols = c[:, None]                     # tiles here are transposed: keys x queries
     dka = tl.zeros([BN, BD], tl.float32)
     dva = tl.zeros([BN, BD], tl.float32)
-    # the sink part's dk and dv: the dq kernel's buffers [documents, HKV, S, D], rows s0..
-    sink = (i_n * HKV + hk) * S * D
-    n_sink = tl.minimum(S, n) - s0
-    if HAS_SINKS and ROPE:
-        # loaded before the loop, so the turn's factors are not live beside the loop's tiles
-        if s0 < S:
-            dkb = _load_rows(dks + sink, s0, n_sink, D, 0, D, BN, BD)
-            dkh = _load_rows_rh(dks + sink, s0, n_sink, D, D, BN, BD)
-            dva = _load_rows(dvs + sink, s0, n_sink, D, 0, D, BN, BD)
-            a, b = _turn_factors(cos, sin, tc, ts, bos + s0, n - s0, TT, D, BN, BD)
-            # back through the turned key k_r (a + i b): times (a - i b); the buffer holds
-            # scaled sums, dka is scaled below
-            dka = (dkb * a - dkh * b) / scale
     for g in range(G):
         h = hk * G + g
         for i0 in range(s0, tl.minimum(s0 + BN - 1 + W, n), BM):
@@ -321,10 +249,14 @@ def _window_bwd_dkv_kernel(q, k, v, do, lse, delta, dk, dv, dks, dvs, cos, sin, 
             dst = pt * (dpt - dl[None, :])
             dka += tl.dot(dst.to(qb.dtype), qb, input_precision=PREC)
     dka *= scale
-    if HAS_SINKS and not ROPE:
+    if HAS_SINKS:
         if s0 < S:
-            dka += _load_rows(dks + sink, s0, n_sink, D, 0, D, BN, BD)
-            dva += _load_rows(dvs + sink, s0, n_sink, D, 0, D, BN, BD)
+            dcols = tl.arange(0, BD)[None, :]
+            offs = ((i_n * HKV + hk) * S + c)[:, None] * D + dcols
+            msk = (c < S)[:, None] & (c < n)[:, None] & (dcols < D)
+            if not SPLIT:              # split: the sink keys' dk belongs to k_sink
+                dka += tl.load(dks + offs, mask=msk, other=0.0)
+            dva += tl.load(dvs + offs, mask=msk, other=0.0)
     _store_rows(dk + hk * D, dka, bos + s0, n - s0, KS, 0, D, BN, BD)
     _store_rows(dv + hk * D, dva, bos + s0, n - s0, KS, 0, D, BN, BD)
 
@@ -335,11 +267,10 @@ def _window_bwd_dkv_kernel(q, k, v, do, lse, delta, dk, dv, dks, dvs, cos, sin, 
 
 class _Plan:
     """Tiles and launch options of one call. BM query rows and BN keys per tile in every
-    kernel (the dk/dv kernel: BN keys per program, BM query rows per step; the dq kernel:
-    dq_BM rows and dq_warps warps); BS keys per sink tile. `overrides` (tests, tuning runs)
-    replace any attribute."""
+    kernel (the dk/dv kernel: BN keys per program, BM query rows per step); BS keys per
+    sink tile. `overrides` (tests, tuning runs) replace any attribute."""
 
-    def __init__(self, T, D, S, dtype, overrides=None, turned=False):
+    def __init__(self, T, D, S, dtype, overrides=None):
         self.BD = max(16, _next_pow2(D))
         fp32 = dtype == torch.float32
         row = self.BD * (4 if fp32 else 2)              # bytes of a tile row
@@ -357,19 +288,6 @@ class _Plan:
         self.stages = 3 if self.BD == 128 and dtype != torch.float32 else 2
         # fp32 inputs get exact fp32 products (tf32 would cost them 3 decimal digits)
         self.prec = "ieee" if dtype == torch.float32 else "tf32"
-        # the dq kernel's own rows and warps: turned sinks keep RoPE factors beside its tiles,
-        # which spill registers (ptxas, sm_90) at 16-bit 64-row tiles unless spread over 8
-        # warps (D64) or taken 32 rows at a time (D128), and at fp32 D128 unless every tile
-        # is 16 rows
-        self.dq_BM, self.dq_warps = self.BM, self.warps
-        if turned and S > 0:
-            if not fp32:
-                if self.BD <= 64:
-                    self.dq_warps = 8
-                else:
-                    self.dq_BM = min(self.BM, 32)
-            elif self.BD >= 128:
-                self.BM = self.BN = self.dq_BM = min(self.BM, 16)
         for key, value in (overrides or {}).items():
             if not hasattr(self, key):
                 raise ValueError(f"unknown window launch option {key!r}")
@@ -386,29 +304,29 @@ def _blocks(cu_seqlens, B, T, BT, device):
 
 class _WindowAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, window, sinks, scale, cu_seqlens, plan, cos, sin, turn_cos, turn_sin):
+    def forward(ctx, q, k, v, window, sinks, scale, cu_seqlens, plan, q_sink, k_sink):
         B, T, H, D = q.shape
         Hkv = k.shape[2]
         q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-        turned = cos is not None and sinks > 0
-        tabs, TT = _tables(q, cos, sin, turn_cos, turn_sin) if turned else ((q, q, q, q), 1)
+        split = q_sink is not None and sinks > 0
+        qs, ks = (q_sink.contiguous(), k_sink.contiguous()) if split else (q, k)
         o = _new((B, T, H, D), q.dtype, q.device)
         lse = _new((B, T, H), torch.float32, q.device)
         cu, idx, total = _blocks(cu_seqlens, B, T, plan.BM, q.device)
         _window_fwd_kernel[(total, H)](
-            q, k, v, o, lse, *tabs, cu, idx, T, TT, scale * LOG2E, window, sinks,
+            q, k, v, qs, ks, o, lse, cu, idx, T, scale * LOG2E, window, sinks,
             H=H, HKV=Hkv, D=D, BD=plan.BD, BM=plan.BM, BN=plan.BN, BS=plan.BS,
-            HAS_SINKS=sinks > 0, ROPE=turned, IS_VARLEN=cu is not None, PREC=plan.prec,
+            HAS_SINKS=sinks > 0, SPLIT=split, IS_VARLEN=cu is not None, PREC=plan.prec,
             num_warps=plan.warps, num_stages=plan.stages)
-        ctx.save_for_backward(q, k, v, o, lse, *tabs)
-        ctx.args = (window, sinks, scale, cu_seqlens, plan, turned, TT)
+        ctx.save_for_backward(q, k, v, qs, ks, o, lse)
+        ctx.args = (window, sinks, scale, cu_seqlens, plan, split, q_sink is not None)
         ctx.set_materialize_grads(False)
         return o, lse
 
     @staticmethod
     def backward(ctx, do, dlse):
-        q, k, v, o, lse, *tabs = ctx.saved_tensors
-        window, sinks, scale, cu_seqlens, plan, turned, TT = ctx.args
+        q, k, v, qs, ks, o, lse = ctx.saved_tensors
+        window, sinks, scale, cu_seqlens, plan, split, given = ctx.args
         B, T, H, D = q.shape
         Hkv = k.shape[2]
         do = torch.zeros_like(o) if do is None else do.contiguous()
@@ -416,49 +334,61 @@ class _WindowAttention(torch.autograd.Function):
         dq = _new(q.shape, q.dtype, q.device)
         dk = _new(k.shape, k.dtype, k.device)
         dv = _new(v.shape, v.dtype, v.device)
+        dqs = _new(q.shape, q.dtype, q.device) if split else dq
         delta = _new((B, T, H), torch.float32, q.device)
         n_docs = B if cu_seqlens is None else cu_seqlens.numel() - 1
         # the sink keys' dk and dv from the sink part (accumulated by atomics: zeros)
         dks = torch.zeros((n_docs, Hkv, max(sinks, 1), D), dtype=torch.float32, device=q.device)
         dvs = torch.zeros_like(dks)
-        common = dict(H=H, HKV=Hkv, D=D, BD=plan.BD, BN=plan.BN,
-                      HAS_SINKS=sinks > 0, ROPE=turned, IS_VARLEN=cu_seqlens is not None, PREC=plan.prec,
-                      num_stages=plan.stages)
-        cu, idx, total = _blocks(cu_seqlens, B, T, plan.dq_BM, q.device)
+        common = dict(H=H, HKV=Hkv, D=D, BD=plan.BD, BM=plan.BM, BN=plan.BN,
+                      HAS_SINKS=sinks > 0, SPLIT=split, IS_VARLEN=cu_seqlens is not None, PREC=plan.prec,
+                      num_warps=plan.warps, num_stages=plan.stages)
+        cu, idx, total = _blocks(cu_seqlens, B, T, plan.BM, q.device)
         _window_bwd_dq_kernel[(total, H)](
-            q, k, v, o, do, lse, dlse, delta, dq, dks, dvs, *tabs, cu, idx, T, TT, scale * LOG2E, scale,
-            window, sinks, BM=plan.dq_BM, BS=plan.BS, HAS_DLSE=dlse is not None, num_warps=plan.dq_warps, **common)
+            q, k, v, qs, ks, o, do, lse, dlse, delta, dq, dqs, dks, dvs, cu, idx, T, scale * LOG2E, scale,
+            window, sinks, BS=plan.BS, HAS_DLSE=dlse is not None, **common)
         cu, idx, total = _blocks(cu_seqlens, B, T, plan.BN, q.device)
         _window_bwd_dkv_kernel[(total, Hkv)](
-            q, k, v, do, lse, delta, dk, dv, dks, dvs, *tabs, cu, idx, T, TT, scale * LOG2E, scale,
-            window, sinks, BM=plan.BM, num_warps=plan.warps, **common)
-        return dq, dk, dv, None, None, None, None, None, None, None, None, None
+            q, k, v, do, lse, delta, dk, dv, dks, dvs, cu, idx, T, scale * LOG2E, scale,
+            window, sinks, **common)
+        if not given:
+            return dq, dk, dv, None, None, None, None, None, None, None
+        if not split:   # no sink part (sinks = 0): q_sink and k_sink take no gradient
+            return dq, dk, dv, None, None, None, None, None, torch.zeros_like(q), torch.zeros_like(k)
+        return dq, dk, dv, None, None, None, None, None, dqs, _sink_rows(dks, cu_seqlens, B, T, sinks, k.dtype)
 
 
-def _tables(q, cos, sin, turn_cos, turn_sin):
-    """The RoPE tables as the kernels read them: cos and sin as rows of D (row r of the
-    tokens reads row r mod TT: tables of one batch row serve every row), the turn as
-    float32 [D]; and TT."""
-    D = q.shape[-1]
-    cos, sin = cos.reshape(-1, D).contiguous(), sin.reshape(-1, D).contiguous()
-    turn = [t.to(device=q.device, dtype=torch.float32).contiguous() for t in (turn_cos, turn_sin)]
-    return (cos, sin, *turn), cos.shape[0]
+def _sink_rows(dks, cu_seqlens, B, T, S, dtype):
+    """The sink buffer [documents, Hkv, S, D] (float32) as a gradient of k_sink [B, T, Hkv, D]:
+    each document's first S rows (fewer in a shorter document), zero elsewhere."""
+    N, Hkv, _, D = dks.shape
+    j = torch.arange(S, device=dks.device)
+    if cu_seqlens is None:
+        start = torch.arange(N, device=dks.device) * T
+        ok = (j < T).expand(N, S)
+    else:
+        cu = cu_seqlens.to(device=dks.device, dtype=torch.long)
+        start = cu[:-1]
+        ok = j[None, :] < (cu[1:] - cu[:-1])[:, None]
+    rows = torch.where(ok, start[:, None] + j, B * T)              # row B * T: a discard row
+    # built in k's dtype: only the S rows a document are converted, not all B * T
+    out = torch.zeros(B * T + 1, Hkv, D, dtype=dtype, device=dks.device)
+    out.index_copy_(0, rows.reshape(-1), dks.transpose(1, 2).reshape(N * S, Hkv, D).to(dtype))
+    return out[:B * T].view(B, T, Hkv, D)
 
 
-def fused_window_attention(q, k, v, window, sinks=0, scale=None, cu_seqlens=None, sink_rope=None,
+def fused_window_attention(q, k, v, window, sinks=0, scale=None, cu_seqlens=None, q_sink=None, k_sink=None,
                            _overrides=None):
     """Sliding-window + sink softmax attention on the Triton kernels: (o [B, T, H, D] in q's
     dtype, lse [B, T, H] float32), differentiable through both (see window_torch for the
-    contract; sink_rope = (cos, sin, turn_cos, turn_sin) turns the sink part as
-    window_torch.sink_operands does). _overrides: launch options of _Plan (tests and tuning
-    runs)."""
-    B, T, H, Hkv, D = check_window_inputs(q, k, v, window, sinks, scale, cu_seqlens, sink_rope)
+    contract; q_sink and k_sink score the sink part). _overrides: launch options of _Plan
+    (tests and tuning runs)."""
+    B, T, H, Hkv, D = check_window_inputs(q, k, v, window, sinks, scale, cu_seqlens, q_sink, k_sink)
     if not (q.is_cuda or _interpreting()):
         raise ValueError(f"the Triton window kernels need CUDA tensors (or TRITON_INTERPRET=1), "
                          f"got {q.device}")
     scale = D ** -0.5 if scale is None else float(scale)
     # a window or sink count past the sequence changes nothing; clamping keeps them int32
     window, sinks = min(window, T), min(sinks, T)
-    plan = _Plan(T, D, sinks, q.dtype, _overrides, turned=sink_rope is not None)
-    return _WindowAttention.apply(q, k, v, window, sinks, scale, cu_seqlens, plan,
-                                  *(sink_rope if sink_rope is not None else (None,) * 4))
+    plan = _Plan(T, D, sinks, q.dtype, _overrides)
+    return _WindowAttention.apply(q, k, v, window, sinks, scale, cu_seqlens, plan, q_sink, k_sink)

@@ -42,7 +42,7 @@ PTXAS_LAYER_CASES = [
 ]
 
 
-# The hybrid layer's kernels: (dtype, B, T, H, Hkv, D, window, sinks, sinks turned through RoPE tables) for
+# The hybrid layer's kernels: (dtype, B, T, H, Hkv, D, window, sinks, split sink operands) for
 # the window op (forward, dq and dk/dv), with the mix and RoPE kernels at the same sizes.
 PTXAS_WINDOW_CASES = [
     ("bf16", 2, 2048, 32, 8, 64, 128, 4, True),
@@ -142,14 +142,13 @@ def ptxas_report(cases=PTXAS_CASES, arch=90, out=sys.stdout, layer_cases=PTXAS_L
                 ctx = _Ctx()
                 fn.forward(ctx, *args)
                 fn.backward(ctx, grad)
-        for dt, B, T, H, Hkv, D, W, S, turned in window_cases:
+        for dt, B, T, H, Hkv, D, W, S, split in window_cases:
             dtype = dtypes[dt]
             q, k = torch.zeros(B, T, H, D, dtype=dtype), torch.zeros(B, T, Hkv, D, dtype=dtype)
-            plan = window_triton._Plan(T, D, S, dtype, turned=turned)
+            plan = window_triton._Plan(T, D, S, dtype)
             ctx = _Ctx()
-            tabs = (torch.zeros(1, T, D), torch.zeros(1, T, D), torch.zeros(D), torch.zeros(D)) if turned \
-                else (None,) * 4
-            o, lse = window_triton._WindowAttention.forward(ctx, q, k, k, W, S, D ** -0.5, None, plan, *tabs)
+            o, lse = window_triton._WindowAttention.forward(ctx, q, k, k, W, S, D ** -0.5, None, plan,
+                                                            q if split else None, k if split else None)
             window_triton._WindowAttention.backward(ctx, o, lse)
             o_lin = torch.zeros(B, T, H, gla_launch._state_stride(D, True), dtype=dtype)[..., :D + 1]
             ctx = _Ctx()
@@ -229,7 +228,7 @@ def ptxas_report(cases=PTXAS_CASES, arch=90, out=sys.stdout, layer_cases=PTXAS_L
         shown = {k: v for k, v in constexprs.items()
                  if k in ("K", "V", "BT", "BK", "BV", "R", "NK", "NV", "WITH_DV", "ALL_V", "IS_VARLEN",
                           "DOT_BF16", "NORM", "SEGMENTED", "D", "PM", "DW", "PATH", "ONE_PASS",
-                          "STORE_P", "LOAD_P", "HAS_SINKS", "ROPE", "SHARED", "BWD")}
+                          "STORE_P", "LOAD_P", "HAS_SINKS", "SPLIT", "SHARED", "BWD")}
         row = dict(kernel=fn.__name__, grid=str(grid), regs=regs, spill_bytes=spills,
                    smem=compiled.metadata.shared, loads_x1=loads[1], loads_x2=loads[2],
                    loads_x4=loads[4], **options, **shown)

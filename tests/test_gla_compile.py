@@ -100,7 +100,7 @@ def test_dv_all_v_compiles_for_hopper():
 
 
 def test_hybrid_kernels_compile_for_hopper():
-    """The hybrid layer's kernels (the window op with and without sinks turned through RoPE tables, the
+    """The hybrid layer's kernels (the window op with and without split sink operands, the
     mix, RoPE) build for sm_90 at the recipes' head dims and at D 80 in float32, ptxas
     assembles each without spilling, and each fits a program's shared memory."""
     cases = [("bf16", 1, 512, 8, 2, 64, 128, 4, True), ("bf16", 1, 512, 8, 2, 64, 64, 0, False),
@@ -110,7 +110,7 @@ def test_hybrid_kernels_compile_for_hopper():
     names = {r["kernel"] for r in rows}
     assert names == {"_window_fwd_kernel", "_window_bwd_dq_kernel", "_window_bwd_dkv_kernel",
                      "_mix_fwd_kernel", "_mix_bwd_kernel", "_rope_kernel"}, names
-    assert {r.get("ROPE") for r in rows if r["kernel"] == "_window_bwd_dq_kernel"} == {True, False}
+    assert {r.get("SPLIT") for r in rows if r["kernel"] == "_window_bwd_dq_kernel"} == {True, False}
     assert all(r["regs"] is not None and r["spill_bytes"] == 0 for r in rows), \
         [(r["kernel"], r["regs"], r["spill_bytes"]) for r in rows]
     assert all(r["smem"] <= HOPPER_SMEM for r in rows), [(r["kernel"], r["smem"]) for r in rows]

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from gla_helpers import (DEVICE, gpu_only, interpreter_warnings, needs_kernels,  # noqa: F401
                          poison_outputs, rel)
 from glaswap_kernels import gla_ops
-from glaswap_kernels.window_torch import sink_operands, window_attention_torch
+from glaswap_kernels.window_torch import window_attention_torch
 from glaswap_kernels.window_triton import fused_window_attention
 
 pytestmark = interpreter_warnings
@@ -38,19 +38,6 @@ def make_inputs(B, T, H, Hkv, D, dtype=torch.float32, device="cpu", seed=0):
     q, k, v, do = (torch.randn(B, T, h, D, generator=gen) for h in (H, Hkv, Hkv, H))
     dlse = torch.randn(B, T, H, generator=gen)
     return [x.to(device=device, dtype=dtype) for x in (q, k, v, do)] + [dlse.to(device)]
-
-
-def make_tables(B, T, D, dtype=torch.float32, device="cpu", seed=3):
-    """sink_rope for window_attention: RoPE tables of random angles per token and pair, scaled
-    by 1.3 as a scaled RoPE's are ([B, T, D], or [1, T, D] for B == 1 or broadcast), and a
-    random turn with the scale squared, as sink_rotation makes it."""
-    gen = torch.Generator().manual_seed(seed)
-    ang = 6 * torch.rand(B, T, D // 2, generator=gen)
-    ang = torch.cat([ang, ang], -1)
-    turn = 6 * torch.rand(D // 2, generator=gen)
-    turn = torch.cat([turn, turn])
-    tabs = (1.3 * ang.cos(), 1.3 * ang.sin(), 1.69 * turn.cos(), -1.69 * turn.sin())
-    return tuple(t.to(device=device, dtype=dtype if t.dim() == 3 else torch.float32) for t in tabs)
 
 
 def direct(q, k, v, window, sinks, scale, seqs, q_sink=None, k_sink=None):
@@ -81,31 +68,21 @@ def direct(q, k, v, window, sinks, scale, seqs, q_sink=None, k_sink=None):
 
 # ----------------------------------------------------------------------------- the reference
 
-@pytest.mark.parametrize("turned", [False, True])
+@pytest.mark.parametrize("split", [False, True])
 @pytest.mark.parametrize("T,window,sinks,seqs", [(13, 4, 0, None), (13, 4, 3, None), (9, 1, 2, None),
                                                  (17, 3, 2, [5, 1, 11]), (6, 10, 8, None)])
 @pytest.mark.parametrize("block", [256, 4])
-def test_reference_matches_direct_softmax(T, window, sinks, seqs, turned, block):
+def test_reference_matches_direct_softmax(T, window, sinks, seqs, split, block):
     B = 1 if seqs else 2
     q, k, v, *_ = make_inputs(B, T, 4, 2, 8)
-    rope = make_tables(B, T, 8) if turned else None
+    sink = make_inputs(B, T, 4, 2, 8, seed=5)[:2] if split else (None, None)
     cu = _cu(seqs) if seqs else None
-    o, lse = window_attention_torch(q, k, v, window, sinks, scale=0.7, cu_seqlens=cu, sink_rope=rope, block=block)
-    o_d, lse_d = direct(q, k, v, window, sinks, 0.7, seqs, *(sink_operands(q, k, *rope) if turned else ()))
+    o, lse = window_attention_torch(q, k, v, window, sinks, scale=0.7, cu_seqlens=cu, q_sink=sink[0], k_sink=sink[1],
+                                    block=block)
+    o_d, lse_d = direct(q, k, v, window, sinks, 0.7, seqs, *sink)
     assert rel(o, o_d) < 1e-6 and rel(lse, lse_d) < 1e-6
-    if turned and sinks and window < T:       # the sink part's scores come from the turned operands
+    if split and sinks and window < T:       # the sink part's scores come from q_sink, k_sink
         assert rel(o, window_attention_torch(q, k, v, window, sinks, scale=0.7, cu_seqlens=cu)[0]) > 1e-3
-
-
-def test_sink_operands_undo_rope():
-    # q rotated by the tables and then given to sink_operands comes back unrotated; k comes
-    # back turned: rope(k, turn) exactly, whatever the tables' scale
-    from glaswap_kernels.gla_torch import apply_rope
-    q, k, *_ = make_inputs(2, 7, 4, 2, 8)
-    cos, sin, tc, ts = make_tables(2, 7, 8)
-    q_s, k_s = sink_operands(apply_rope(q, cos, sin), apply_rope(k, cos, sin), cos, sin, tc, ts)
-    assert rel(q_s, q) < 1e-6
-    assert rel(k_s, apply_rope(k, tc.view(1, 1, -1), ts.view(1, 1, -1))) < 1e-6
 
 
 @pytest.mark.parametrize("window", [24, 100])
@@ -131,17 +108,17 @@ def test_reference_window_one_is_the_value_itself():
 # ----------------------------------------------------------------------------- the kernels
 
 def compare(B, T, H, Hkv, D, window, sinks, seqs=None, dtype=torch.float32, tiles=None,
-            grads=("o", "lse"), tol=None, scale=None, device=DEVICE, turned=False):
+            grads=("o", "lse"), tol=None, scale=None, device=DEVICE, split=False):
     """Kernels vs the float32 reference on the same (rounded) inputs; returns the errors.
-    turned: the sink part scored through RoPE tables (sink_rope), [1, T, D] tables when the
-    batch is 1 or `turned` is "broadcast", else [B, T, D]."""
+    split: the sink part scored with its own q_sink and k_sink (their gradients checked too)."""
     q, k, v, do, dlse = make_inputs(B, T, H, Hkv, D, dtype, device)
-    rope = make_tables(1 if turned == "broadcast" else B, T, D, dtype, device) if turned else None
+    ins = (q, k, v) + (tuple(make_inputs(B, T, H, Hkv, D, dtype, device, seed=5)[:2]) if split else ())
     cu = _cu(seqs, device) if seqs else None
-    xs = [x.clone().requires_grad_() for x in (q, k, v)]
-    rs = [x.float().requires_grad_() for x in (q, k, v)]
-    o, lse = fused_window_attention(*xs, window, sinks, scale=scale, cu_seqlens=cu, sink_rope=rope, _overrides=tiles)
-    o_r, lse_r = window_attention_torch(*rs, window, sinks, scale=scale, cu_seqlens=cu, sink_rope=rope)
+    xs = [x.clone().requires_grad_() for x in ins]
+    rs = [x.float().requires_grad_() for x in ins]
+    sk = lambda t: dict(q_sink=t[3], k_sink=t[4]) if split else {}  # noqa: E731
+    o, lse = fused_window_attention(*xs[:3], window, sinks, scale=scale, cu_seqlens=cu, _overrides=tiles, **sk(xs))
+    o_r, lse_r = window_attention_torch(*rs[:3], window, sinks, scale=scale, cu_seqlens=cu, **sk(rs))
     assert o.dtype == dtype and lse.dtype == torch.float32
     assert o.shape == (B, T, H, D) and lse.shape == (B, T, H)
     errs = {"o": rel(o, o_r), "lse": rel(lse, lse_r)}
@@ -152,17 +129,15 @@ def compare(B, T, H, Hkv, D, window, sinks, seqs=None, dtype=torch.float32, tile
     got = torch.autograd.grad([x for x, _ in outs], xs, [g for _, g in outs])
     # lse alone does not depend on v: its reference gradient is None, the kernels' zeros
     want = torch.autograd.grad([x for x, _ in refs], rs, [g for _, g in refs], allow_unused=True)
-    for name, a, b in zip(("dq", "dk", "dv"), got, want):
+    for name, a, b in zip(("dq", "dk", "dv", "dq_sink", "dk_sink"), got, want):
         assert a.dtype == dtype
         if b is None:
             assert not a.any(), name
             continue
         errs[name] = rel(a, b)
     tol = TOL[dtype] if tol is None else tol
-    # lse comes from fp32-accumulated products of the same rounded q and k in every dtype;
-    # turned sink operands are made in the kernel and rounded to the inputs' dtype there
-    lse_tol = min(tol, 1e-3 if turned and dtype != torch.float32 else 1e-4)
-    bad = {n: e for n, e in errs.items() if not e <= (lse_tol if n == "lse" else tol)}
+    # lse comes from fp32-accumulated products of the same rounded q and k in every dtype
+    bad = {n: e for n, e in errs.items() if not e <= (min(tol, 1e-4) if n == "lse" else tol)}
     # (not e <= tol: NaN fails too)
     assert not bad, f"errors above {tol}: {bad} (all: {errs})"
     return errs
@@ -182,19 +157,18 @@ def test_windows_and_sinks(window, sinks):
 
 
 @needs_kernels
-@pytest.mark.parametrize("T,seqs,tiles,turned", [(1, None, None, True), (37, None, None, True),
-                                                 (130, None, None, "broadcast"),
-                                                 (60, [5, 1, 37, 6, 1, 10], dict(BM=16, BN=16), True)])
-def test_turned_sinks(T, seqs, tiles, turned):
-    # the sink part scored through the RoPE tables: its gradients go back into dq and dk
-    # (each document's first S rows of dk) through the same rotations
-    compare(B=1 if seqs else 2, T=T, H=4, Hkv=2, D=32, window=6, sinks=4, seqs=seqs, tiles=tiles, turned=turned)
+@pytest.mark.parametrize("T,seqs,tiles", [(1, None, None), (37, None, None), (130, None, None),
+                                          (60, [5, 1, 37, 6, 1, 10], dict(BM=16, BN=16))])
+def test_split_sinks(T, seqs, tiles):
+    # the sink part from q_sink and k_sink: dq and dk take the window part only, dq_sink all
+    # of the sink part, dk_sink each document's first S rows and zero elsewhere
+    compare(B=1 if seqs else 2, T=T, H=4, Hkv=2, D=32, window=6, sinks=4, seqs=seqs, tiles=tiles, split=True)
 
 
 @needs_kernels
-def test_turned_sinks_bf16_and_gqa_tiles():
-    compare(B=1, T=60, H=4, Hkv=2, D=16, window=5, sinks=20, tiles=dict(BM=16, BN=16, BS=16), turned=True)
-    compare(B=2, T=130, H=4, Hkv=2, D=80, window=64, sinks=4, dtype=torch.bfloat16, turned=True)
+def test_split_sinks_bf16_and_gqa_tiles():
+    compare(B=1, T=60, H=4, Hkv=2, D=16, window=5, sinks=20, tiles=dict(BM=16, BN=16, BS=16), split=True)
+    compare(B=2, T=130, H=4, Hkv=2, D=80, window=64, sinks=4, dtype=torch.bfloat16, split=True)
 
 
 @needs_kernels
@@ -253,7 +227,6 @@ def test_dispatch_and_backends():
 def test_bad_inputs(backend):
     q, k, v, *_ = make_inputs(1, 8, 4, 2, 16, device=DEVICE)
     call = lambda *a, **kw: gla_ops.window_attention(*a, backend=backend, **kw)  # noqa: E731
-    tabs = make_tables(1, 8, 16, device=DEVICE)
     cases = [((q, k, v, 0), {}, "window"), ((q, k, v, True), {}, "window"),
              ((q, k, v, 2.0), {}, "window"), ((q, k, v, 4, -1), {}, "sinks"),
              ((q, k[:, :5], v[:, :5], 4), {}, "k and v"), ((q, k, v[..., :8], 4), {}, "k and v"),
@@ -263,9 +236,8 @@ def test_bad_inputs(backend):
               {"cu_seqlens": _cu([8], DEVICE)}, "B == 1"),
              ((q, k, v, 4), {"cu_seqlens": _cu([8], DEVICE).float()}, "cu_seqlens"),
              ((q, k, v, 4), {"cu_seqlens": _cu([3, 4], DEVICE)}, "cu_seqlens"),
-             ((q, k, v, 4, 2), {"sink_rope": tabs[:3]}, "four tensors"),
-             ((q, k, v, 4, 2), {"sink_rope": (tabs[0][:, :4], tabs[1][:, :4]) + tabs[2:]}, "sink_rope wants"),
-             ((q, k, v, 4, 2), {"sink_rope": tabs[:2] + (tabs[2][:8], tabs[3])}, "sink_rope wants")]
+             ((q, k, v, 4, 2), {"q_sink": q}, "together"),
+             ((q, k, v, 4, 2), {"q_sink": q, "k_sink": k[:, :4]}, "k_sink must match")]
     for args, kwargs, match in cases:
         with pytest.raises(ValueError, match=match):
             call(*args, **kwargs)
@@ -399,14 +371,14 @@ gpu = pytest.mark.gpu
 @pytest.mark.parametrize("window", [64, 128])
 def test_gpu_bf16(D, window):
     compare(B=2, T=2048, H=16, Hkv=4, D=D, window=window, sinks=4, dtype=torch.bfloat16)
-    compare(B=2, T=2048, H=16, Hkv=4, D=D, window=window, sinks=4, dtype=torch.bfloat16, turned=True)
+    compare(B=2, T=2048, H=16, Hkv=4, D=D, window=window, sinks=4, dtype=torch.bfloat16, split=True)
 
 
 @gpu
 @gpu_only
 def test_gpu_bf16_varlen():
     compare(B=1, T=8192, H=16, Hkv=4, D=64, window=64, sinks=4, dtype=torch.bfloat16,
-            seqs=[4096, 1000, 31, 1, 3000, 64], turned=True)
+            seqs=[4096, 1000, 31, 1, 3000, 64], split=True)
 
 
 @gpu

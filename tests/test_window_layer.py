@@ -238,9 +238,8 @@ def test_exact_part_does_not_depend_on_absolute_position(mix):
         cos, sin = student.model.rotary_emb(x, torch.arange(x.shape[1])[None])
         with torch.no_grad():
             q, k, v = attn._project(x)
-            q_r, k_r, v_r, _, _ = attn._exact_inputs(q, k, v, (cos, sin), turned=False)
-            o, lse = window_attention(q_r, k_r, v_r, 4, 2, scale=attn.head_dim ** -0.5,
-                                      sink_rope=(cos, sin, *attn._turn(cos)))
+            q_r, k_r, v_r, q_s, k_s = attn._exact_inputs(q, k, v, (cos, sin))
+            o, lse = window_attention(q_r, k_r, v_r, 4, 2, scale=attn.head_dim ** -0.5, q_sink=q_s, k_sink=k_s)
         results.append((o[0, -1], lse[0, -1]))
     torch.testing.assert_close(results[0][0], results[1][0], rtol=1e-4, atol=1e-5)
     torch.testing.assert_close(results[0][1], results[1][1], rtol=1e-4, atol=1e-5)

@@ -286,10 +286,9 @@ class GLAAttention(nn.Module):
         cfg = self.config
         B, T = q.shape[:2]
         g = self._gate(x, k)
-        whole = cache is None and attention_mask is None      # whole sequences: the window kernels
         if cfg.window:
             exact = self._exact_inputs(q, k, v, position_embeddings,
-                                       turned=not whole and bool(cfg.sinks or (cfg.sparse_cache and cache is not None)))
+                                       turned=bool(cfg.sinks or (cfg.sparse_cache and cache is not None)))
         k, v = self._per_state_head(k), self._per_state_head(v)
         cos, sin = position_embeddings if cfg.use_rope else (None, None)
         if cos is not None and cfg.rope_max_wavelength:
@@ -306,8 +305,8 @@ class GLAAttention(nn.Module):
             k, v, g = k * keep, v * keep, g * keep
         scale = self.head_dim ** -0.5 if cfg.feature_map == "identity" else 1.0
         if cfg.window:
-            if whole:
-                o = self._hybrid(q, k, v, g, exact, scale, cu_seqlens, position_embeddings)
+            if cache is None and attention_mask is None:
+                o = self._hybrid(q, k, v, g, exact, scale, cu_seqlens)
             else:
                 valid = attention_mask[:, -T:].bool() if attention_mask is not None and attention_mask.dim() == 2 \
                     else torch.ones(B, T, dtype=torch.bool, device=q.device)
@@ -356,34 +355,26 @@ class GLAAttention(nn.Module):
         q_r, k_r = rope(q, cos, sin, cfg.gla_backend), rope(k, cos, sin, cfg.gla_backend)
         if not turned:
             return q_r, k_r, v, None, None
-        turn = self._turn(cos)
+        turn = self._sink_turn
+        if turn is None or turn[0].device != cos.device or turn[0].dtype != cos.dtype:
+            turn = self._sink_turn = tuple(t.to(device=cos.device, dtype=cos.dtype) for t in sink_rotation(cfg))
         T = k.shape[1]
         k_s = rope(k, turn[0].expand(1, T, -1), turn[1].expand(1, T, -1), cfg.gla_backend)
         return q_r, k_r, v, q, k_s
 
-    def _turn(self, cos):
-        """sink_rotation's (cos, sin) on cos's device and in its dtype, made once."""
-        turn = self._sink_turn
-        if turn is None or turn[0].device != cos.device or turn[0].dtype != cos.dtype:
-            turn = self._sink_turn = tuple(t.to(device=cos.device, dtype=cos.dtype) for t in sink_rotation(self.config))
-        return turn
-
-    def _hybrid(self, q, k, v, g, exact, scale, cu_seqlens, position_embeddings):
-        """Whole sequences (training, scoring): [B, T, H, D] from the window op and chunk_gla.
-        The window op turns the sinks itself from the rotated q and k and the RoPE tables."""
+    def _hybrid(self, q, k, v, g, exact, scale, cu_seqlens):
+        """Whole sequences (training, scoring): [B, T, H, D] from the window op and chunk_gla."""
         cfg = self.config
         B, T = q.shape[:2]
-        q_r, k_r, v_r, _, _ = exact
-        cos, sin = position_embeddings
+        q_r, k_r, v_r, q_s, k_s = exact
         if cu_seqlens is not None and B > 1:
-            q, k, v, g, q_r, k_r, v_r = (t.reshape(1, B * T, *t.shape[2:]) for t in (q, k, v, g, q_r, k_r, v_r))
-            cos, sin = (t.expand(B, T, t.shape[-1]).reshape(1, B * T, -1) for t in (cos, sin))
+            q, k, v, g, q_r, k_r, v_r, q_s, k_s = (None if t is None else t.reshape(1, B * T, *t.shape[2:])
+                                                   for t in (q, k, v, g, q_r, k_r, v_r, q_s, k_s))
         k_in, v_in = (_enter_state(t, cfg.window, cfg.sinks, cu_seqlens) for t in (k, v))
         o_lin, _ = chunk_gla(q, k_in, v_in, g, scale=scale, cu_seqlens=cu_seqlens, backend=cfg.gla_backend,
                              normalizer=True)
-        sink_rope = (cos, sin, *self._turn(cos)) if cfg.sinks else None
         o_win, lse = window_attention(q_r, k_r, v_r, cfg.window, cfg.sinks, scale=self.head_dim ** -0.5,
-                                      cu_seqlens=cu_seqlens, sink_rope=sink_rope, backend=cfg.gla_backend)
+                                      cu_seqlens=cu_seqlens, q_sink=q_s, k_sink=k_s, backend=cfg.gla_backend)
         return self._combine(o_win, lse, o_lin).reshape(B, T, self.num_heads, -1)
 
     def _hybrid_stream(self, q, k, v, g, exact, scale, pos, valid, cache):
