@@ -79,9 +79,9 @@ def by_absolute_position(docs, first_bin: int, teacher_nll: list[np.ndarray], te
     n = max(len(d) for d in docs)
     bins = position_bins(n, first_bin)
     one = bin_means([d.onepass for d in docs], bins)
-    win = bin_means([np.where(d.scored, d.nll["student"], np.nan) for d in docs], bins)
     tea = bin_means(teacher_nll, bins)
-    t_win = bin_means([np.where(d.scored, d.nll["teacher"], np.nan) for d in docs], bins)
+    win, t_win = (bin_means([np.where(d.scored, d.nll[role], np.nan) for d in docs], bins)
+                  for role in ("student", "teacher"))
     rows = []
     for (lo, hi), (o, no), (w, nw), (t, nt), (tw, _) in zip(bins, one, win, tea, t_win):
         rows.append({"lo": lo, "hi": hi, "label": bin_label(lo, hi), "tokens": no, "student_one_pass": o,

@@ -285,9 +285,9 @@ class _Plan:
         self.warps = 8 if fp32 or row >= 256 else 4
         # three stages hide the key loads behind the dots at 16-bit D128 (0.85 against 0.96 ms
         # for W128 S4 at 8x2048 H16 on an H200); at D64 they change nothing
-        self.stages = 3 if self.BD == 128 and dtype != torch.float32 else 2
+        self.stages = 3 if self.BD == 128 and not fp32 else 2
         # fp32 inputs get exact fp32 products (tf32 would cost them 3 decimal digits)
-        self.prec = "ieee" if dtype == torch.float32 else "tf32"
+        self.prec = "ieee" if fp32 else "tf32"
         for key, value in (overrides or {}).items():
             if not hasattr(self, key):
                 raise ValueError(f"unknown window launch option {key!r}")
