@@ -68,24 +68,26 @@ def settings(args):
     return recipe, shape, batch, seq, layout
 
 
-def build(recipe, shape: str, dtype):
+def build(recipe, shape: str, dtype, device):
     """The student of `shape` with random weights, built in `dtype` (Dist.storage_dtype, as
-    glaswap distill builds it) and set up for training as distill does (prepare_student)."""
+    glaswap distill builds it) and set up for training as distill does (prepare_student).
+    Built on `device`: an 8B model is 16 GB of random bf16 weights, slow to draw on a host's CPU."""
     from transformers import LlamaConfig
 
     from glaswap.convert import glaswap_config
     from glaswap.distill.student import prepare_student
     from glaswap.models.modeling_glaswap import GLASwapForCausalLM
 
-    torch.manual_seed(0)  # the same random model on every process
+    torch.manual_seed(0)  # the same random model on every process (the seed covers every device)
     default = torch.get_default_dtype()
     torch.set_default_dtype(dtype)  # built in dtype, not cast after: an 8B model in float32 takes 32 GB
     try:
-        lm = GLASwapForCausalLM(glaswap_config(LlamaConfig(**(TINY if shape == "tiny" else SHAPES[shape])).to_dict(),
-                                               recipe.model.options))
+        with device:
+            lm = GLASwapForCausalLM(glaswap_config(
+                LlamaConfig(**(TINY if shape == "tiny" else SHAPES[shape])).to_dict(), recipe.model.options))
+            return prepare_student(lm, recipe)
     finally:
         torch.set_default_dtype(default)
-    return prepare_student(lm, recipe)
 
 
 def step_functions(student, stage2):
@@ -263,7 +265,7 @@ def main(argv=None):
     device = torch.device("cuda", dist.local_rank) if torch.cuda.is_available() and not args.dry_run \
         else torch.device("cpu")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    student = build(recipe, shape, dist.storage_dtype(dtype))
+    student = build(recipe, shape, dist.storage_dtype(dtype), device)
     dist.wrap(student.lm, device, dtype)
     steps = step_functions(student, recipe.stage2)
     vocab = (TINY if shape == "tiny" else SHAPES[shape])["vocab_size"]
