@@ -97,8 +97,8 @@ _TRUST_HELP = ("Run Python code that a model or tokenizer folder ships (auto_map
               help="shared: one softmax normaliser over the window's scores and the state's sums; learned: a "
                    "learned per-head mix of the two outputs.")
 @click.option("--sparse-cache", type=click.IntRange(0), default=0, show_default=True,
-              help="With --window: reading with a cache, keep this many older keys per KV head out of the state, "
-                   "attended exactly: those the state recalls worst. 0: none.")
+              help="With --window: reading with a cache, keep this many older tokens of each layer out of the "
+                   "state, attended exactly: those the state recalls worst. 0: none.")
 @click.option("--dtype", type=click.Choice(["auto", "bfloat16", "float16", "float32"]), default="auto",
               show_default=True, help="Weights dtype (auto: the source's; bfloat16 for GGUF).")
 @click.option("--max-shard-size", default="2GB", show_default=True)
@@ -209,7 +209,7 @@ def _scoring_options(fn):
     return click.option("--device", default="auto", show_default=True, help="auto, cpu or cuda.")(fn)
 
 
-_SPARSE_HELP = ("Keep this many older keys per KV head of a hybrid MODEL's layers out of the state, attended "
+_SPARSE_HELP = ("Keep this many older tokens of each of a hybrid MODEL's layers out of the state, attended "
                 "exactly: those the state recalls worst (default: as saved; 0: none).")
 
 

@@ -272,10 +272,11 @@ def test_gpu_teacher_on_packed_documents_takes_flash_varlen(arch, monkeypatch):
 
 # ----------------------------------------------------------------------------- sparse cache
 def reference_sparse_cache(attn, x, cos, sin, cos_w, sin_w, M):
-    """The hybrid layer read with a sparse cache of M keys per KV head, choosing at every step
-    (SPARSE_BLOCK = 1), written out one query at a time: the key leaving the window and the
-    cached ones compete on ||v - num / den||^2, read back from the state before the step with
-    every candidate added to it; the M largest stay cached, scored exactly as sinks outside
+    """The hybrid layer read with a sparse cache of M tokens, choosing at every step
+    (SPARSE_BLOCK = 1), written out one query at a time: the token leaving the window and the
+    cached ones compete on ||v - num / den||^2 averaged over the KV heads, read back from each
+    head's state before the step with every candidate added to it; the M largest stay cached
+    in every head, scored exactly as sinks outside
     the window are; the rest are in the state with decays from the step each left the window."""
     cfg = attn.config
     W, S = cfg.window, cfg.sinks
@@ -305,21 +306,24 @@ def reference_sparse_cache(attn, x, cos, sin, cos_w, sin_w, M):
 
     out = torch.zeros(B, T, H, attn.head_dim)
     for b in range(B):
-        for kv in range(Hkv):
-            cached, in_state = [], []
-            for i in range(T):
-                j = i - W
-                candidates = cached + ([j] if j >= S else [])
+        cached, in_state = [], []                # one choice per token for every KV head
+        for i in range(T):
+            j = i - W
+            candidates = cached + ([j] if j >= S else [])
+            miss = torch.zeros(len(candidates))
+            for kv in range(Hkv):
                 # the state before the step with every candidate in it: cached keys decayed from
                 # the step each left the window, the leaving key at full weight
                 st = state(b, kv, in_state + cached, i - 1)
                 if j >= S:
                     st = st + fk[b, j, kv][:, None] * torch.cat([vf[b, j, kv], torch.ones(1)])[None]
-                pred = [fk[b, u, kv] @ st for u in candidates]
-                miss = [((vf[b, u, kv] - p[:-1] / p[-1].clamp_min(1e-6)) ** 2).sum() for u, p in zip(candidates, pred)]
-                order = sorted(range(len(candidates)), key=lambda n: -miss[n])
-                cached = [candidates[n] for n in order[:M]]
-                in_state += [candidates[n] for n in order[M:]]
+                for n, u in enumerate(candidates):
+                    p = fk[b, u, kv] @ st
+                    miss[n] += ((vf[b, u, kv] - p[:-1] / p[-1].clamp_min(1e-6)) ** 2).sum() / Hkv
+            order = sorted(range(len(candidates)), key=lambda n: -miss[n])
+            cached = [candidates[n] for n in order[:M]]
+            in_state += [candidates[n] for n in order[M:]]
+            for kv in range(Hkv):
                 for h in range(kv * R, kv * R + R):
                     exact = [(j2, qr[b, i, h] @ kr[b, j2, kv]) for j2 in range(max(0, i - W + 1), i + 1)]
                     exact += [(j2, turned_score(b, h, i, j2)) for j2 in range(min(S, i - W + 1))]

@@ -462,7 +462,7 @@ def empty_window_buffers(B, W, S, k_r, fk, M=0):
     """The window and sink buffers of a cache before any token: every position -1. Keys: the
     last W tokens' rotated keys, values, feature-mapped keys and positions (k, v, fk, pos) and
     the S sinks' turned keys (_exact_inputs), values and positions (sk, sv, spos). With a
-    sparse cache of M keys per KV head also the window's turned keys (tk) and the cache's
+    sparse cache of M tokens also the window's turned keys (tk) and the cache's
     turned keys, values, feature-mapped keys, log-decays since each would have entered the
     state (float32) and positions (mk, mv, mfk, mg, mpos)."""
     bufs = {"k": k_r.new_zeros(B, W, *k_r.shape[2:]), "v": k_r.new_zeros(B, W, *k_r.shape[2:]),
@@ -484,11 +484,11 @@ SPARSE_BLOCK = 64
 
 
 def _sparse_select(buf, state, fk, v, tk, p, g, S, rep):
-    """Which keys a sparse cache keeps (after LoLA, arXiv 2505.23666): the cache's own and
-    those leaving the window in this block compete per KV head, and the M that the state
-    recalls worst (largest ||v - S^T phi(k) / z^T phi(k)||^2 with every candidate in S,
-    averaged over the KV head's state heads) stay out of the state, attended exactly as
-    sinks are (_window_over_buffer). Keys like many others, such as repeated text, go into
+    """Which tokens a sparse cache keeps (after LoLA, arXiv 2505.23666): the cache's own and
+    those leaving the window in this block compete, and the M that the state recalls worst
+    (largest ||v - S^T phi(k) / z^T phi(k)||^2 with every candidate in S, averaged over the
+    layer's state heads) stay out of the state in every KV head, attended exactly as sinks
+    are (_window_over_buffer). Keys like many others, such as repeated text, go into
     the state; a key unlike the rest, such as a number stated once, stays exact. A cache key
     that loses enters the state now with the decay it would have had since its own step.
     Returns (kept [B, T, Hkv] for the leaving rows, the cache for this block and after it,
@@ -497,7 +497,6 @@ def _sparse_select(buf, state, fk, v, tk, p, g, S, rep):
     stays capturable."""
     B, T, Hs, F = fk.shape
     Hkv = v.shape[2]
-    R = Hs // Hkv
     M = buf["mpos"].shape[1]
     c_fk = torch.cat([buf["mfk"], fk], 1)                                          # [B, M + T, Hs, F]
     c_v = torch.cat([buf["mv"], v], 1)                                             # [B, M + T, Hkv, D]
@@ -513,7 +512,9 @@ def _sparse_select(buf, state, fk, v, tk, p, g, S, rep):
     full = state + torch.einsum("bchf,bchd->bhfd", c_fk.float() * c_w, vs)
     pred = torch.einsum("bchf,bhfd->bchd", c_fk.float(), full)
     miss = ((vs[..., :-1] - pred[..., :-1] / pred[..., -1:].clamp_min(1e-6)) ** 2).sum(-1)
-    score = miss.view(B, -1, Hkv, R).mean(-1).masked_fill(~ok, -math.inf)
+    # One choice per token for all of the layer's KV heads, so each head holds every token the
+    # cache keeps (choices per head would keep different digits of a number in each head)
+    score = miss.mean(-1, keepdim=True).expand(B, -1, Hkv).masked_fill(~ok, -math.inf)
     top, idx = score.topk(M, dim=1)                                                # [B, M, Hkv]
     live = top > -math.inf
     kept = torch.zeros_like(score, dtype=torch.bool).scatter(1, idx, live)
