@@ -514,10 +514,10 @@ def _sparse_select(buf, state, fk, v, tk, p, g, S, rep):
     miss = ((vs[..., :-1] - pred[..., :-1] / pred[..., -1:].clamp_min(1e-6)) ** 2).sum(-1)
     # One choice per token for all of the layer's KV heads, so each head holds every token the
     # cache keeps (choices per head would keep different digits of a number in each head)
-    score = miss.mean(-1, keepdim=True).expand(B, -1, Hkv).masked_fill(~ok, -math.inf)
-    top, idx = score.topk(M, dim=1)                                                # [B, M, Hkv]
+    score = miss.mean(-1).masked_fill(~ok[..., 0], -math.inf)                       # [B, M + T]
+    top, idx = (t[..., None].expand(B, M, Hkv) for t in score.topk(M, dim=1))      # [B, M, Hkv]
     live = top > -math.inf
-    kept = torch.zeros_like(score, dtype=torch.bool).scatter(1, idx, live)
+    kept = torch.zeros_like(ok).scatter(1, idx, live)                              # [B, M + T, Hkv]
     # cache keys that lose go into the state; row t of this block would enter at step t
     out = rep(ok[:, :M] & ~kept[:, :M])                                            # [B, M, Hs]
     state = state + torch.einsum("bmhf,bmhd->bhfd", c_fk[:, :M].float() * (c_w[:, :M] * out[..., None]), vs[:, :M])
