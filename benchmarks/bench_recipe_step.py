@@ -80,12 +80,13 @@ def stage1_step(lm, params, opt, batch):
     for layer in lm.model.layers:
         layer.self_attn.transfer = True
     try:
-        with lm.attention_mode("softmax"), torch.autocast("cuda", dtype=torch.bfloat16):
-            loss = transfer_step(lm, batch)
+        with lm.attention_mode("softmax"):
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                loss = transfer_step(lm, batch)
+            loss.backward()     # inside the mode: gradient checkpointing recomputes the forward here
     finally:
         for layer in lm.model.layers:
             layer.self_attn.transfer = False
-    loss.backward()
     torch.nn.utils.clip_grad_norm_(params, 1.0)
     opt.step()
     lm.zero_grad(set_to_none=True)

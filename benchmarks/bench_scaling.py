@@ -112,9 +112,10 @@ def step_functions(student, stage2):
 
     def teacher(batch):  # what a plain LoRA fine-tune of the teacher runs
         ids = batch["input_ids"]
+        # backward inside the mode too: gradient checkpointing recomputes the forward there
         with lm.attention_mode("softmax"):
             logits = lm(input_ids=ids, use_cache=False).logits
-        F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), ids[:, 1:].flatten()).backward()
+            F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), ids[:, 1:].flatten()).backward()
 
     params = dict(lm.named_parameters())
     new, lora = student.new_names, student.lora_names
