@@ -7,9 +7,13 @@
 Without MODEL_DIR it needs no download: a Llama with SmolLM2-135M's shape (30 layers,
 hidden 576, 9 heads / 3 KV heads, head dim 64, vocab 49152, tied embeddings) gets random
 weights, is saved to a temporary folder and converted; that Llama is the teacher. For each
-context: prefill that many random tokens, then time single-token greedy decode steps (GLA:
-CUDA-graph replay on CUDA, and eager; teacher: Hugging Face with its KV cache). Peak memory
-is torch.cuda.max_memory_allocated over the decode steps. The benchmark itself is
+context: prefill that many random tokens (timed too), then time single-token greedy decode
+steps (GLA: CUDA-graph replay on CUDA, and eager; teacher: Hugging Face with its KV cache).
+Peak memory is torch.cuda.max_memory_allocated over the decode steps. `--option KEY=VALUE`
+converts the random model with convert's options, e.g. the GPU recipe's hybrid with a sparse
+cache, whose prompts are read in blocks (graph-replayed on CUDA):
+
+    python benchmarks/bench_generate.py --option window=128 --option sinks=4 --option sparse_cache=64 The benchmark itself is
 `glaswap.generate.bench_random` (random weights) and `bench_model` (a folder); this script
 only reads the arguments and prints what the machine runs.
 
@@ -50,6 +54,7 @@ import torch  # noqa: E402
 
 
 def main(argv=None):
+    from glaswap.distill.recipe import parse_override
     from glaswap.errors import GlaswapError
     from glaswap.generate import RANDOM_SHAPES, bench_model, bench_random, parse_contexts
     from glaswap.runtime import DTYPES, pick_device
@@ -63,6 +68,8 @@ def main(argv=None):
     ap.add_argument("--graph", choices=["auto", "on", "off"], default="auto", help="CUDA-graph decode (auto: on CUDA)")
     ap.add_argument("--shape", choices=sorted(RANDOM_SHAPES), default="smollm2", help="model shape without MODEL")
     ap.add_argument("--no-teacher", action="store_true", help="time the GLA model only")
+    ap.add_argument("--option", action="append", metavar="KEY=VALUE", default=[],
+                    help="a convert option for the random model, e.g. --option window=128 --option sparse_cache=64")
     ap.add_argument("--device", default="auto")
     ap.add_argument("--out", default=None, help="also write decode_bench.json and .png here")
     args = ap.parse_args(argv)
@@ -72,13 +79,16 @@ def main(argv=None):
         dtype_name = args.dtype or ("bfloat16" if device.type == "cuda" else "float32")
         contexts = parse_contexts(args.contexts) if args.contexts else None
         _describe(device, dtype_name, args)
+        options = {".".join(key): value for key, value in map(parse_override, args.option)}
+        if args.model and options:
+            raise GlaswapError("--option converts the random model; a MODEL folder keeps its own options")
         if args.model:
             bench_model(args.model, teacher="none" if args.no_teacher else "auto", contexts=contexts,
                         batch_size=args.batch_size, new_tokens=args.new_tokens, graph=args.graph,
                         device=str(device), dtype=dtype_name, out=args.out or Path(args.model) / "eval")
         else:
             bench_random(args.shape, contexts, args.batch_size, args.new_tokens, args.graph, device=str(device),
-                         dtype=dtype_name, teacher=not args.no_teacher, out=args.out)
+                         dtype=dtype_name, teacher=not args.no_teacher, out=args.out, options=options)
         return 0
     except GlaswapError as e:
         print(f"Error: {e}", file=sys.stderr)

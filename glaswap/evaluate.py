@@ -298,6 +298,10 @@ def evaluate(model_dir, texts, teacher: str = "auto", context: int = 512, stride
     docs = [Document(p, text, tok, max_tokens, context, stride, bos) for p, text in contents]
     student = load_student(model_dir, dev, dt, sparse_cache)
     student.set_attention_mode("gla")
+    if dev.type == "cuda" and student.config.window and student.config.sparse_cache:
+        from glaswap.generate import enable_decode_graph
+
+        enable_decode_graph(student)    # the stateful column's sparse-cache blocks from a CUDA graph
     teacher_model = None
     if t_kind != "self":
         log(f"loading teacher {t_desc.get('spec', t_path)}")

@@ -3,8 +3,10 @@
 Decoding one token with a GLA model is a fixed amount of work whatever the context: every
 layer updates a [Hkv, K, V] state. At small batch the step is bound by Python and kernel
 launches (hundreds of small kernels), not by the GPU, so on CUDA the whole step can be
-captured once as a CUDA graph and replayed per token (`DecodeGraph`). The eager path stays
-the fallback and is what runs on CPU.
+captured once as a CUDA graph and replayed per token (`DecodeGraph`). A model with a sparse
+cache also reads a prompt in blocks of SPARSE_BLOCK tokens (each block chooses what the cache
+keeps), equally bound by launches: those blocks replay a graph of their own. The eager path
+stays the fallback and is what runs on CPU.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from pathlib import Path
 import torch
 
 from glaswap.errors import GlaswapError
-from glaswap.layers.gla_attention import empty_window_buffers, feature_dim, state_heads
+from glaswap.layers.gla_attention import SPARSE_BLOCK, empty_window_buffers, feature_dim, state_heads
 from glaswap.models.modeling_glaswap import CACHE_NAME, GLASwapCache, cache_of
 from glaswap.runtime import (atomic_write, check_model_folder, load_student, load_teacher, load_tokenizer,
                              pick_device, pick_dtype, teacher_source, versions)
@@ -68,22 +70,24 @@ def _warmup_stream(dev):
 
 
 class _StaticStep:
-    """One decode step for a fixed batch size, reading and writing only static buffers."""
+    """One forward of `tokens` new tokens (1: a decode step; SPARSE_BLOCK: a block of a prompt)
+    for a fixed batch size, reading and writing only static buffers. `out`: the logits of a
+    decode step, the last hidden states of a block (the caller keeps the rows it needs)."""
 
-    def __init__(self, model, batch_size, backend):
+    def __init__(self, model, batch_size, backend, tokens=1):
         cfg = model.config
         dev = model.lm_head.weight.device
         v_dim = cfg.head_dim + (1 if cfg.normalizer else 0)        # the normaliser's column of ones
         self.model = model
-        self.ids = torch.zeros(batch_size, 1, dtype=torch.long, device=dev)
-        self.pos = torch.zeros(batch_size, 1, dtype=torch.long, device=dev)
+        self.ids = torch.zeros(batch_size, tokens, dtype=torch.long, device=dev)
+        self.pos = torch.zeros(batch_size, tokens, dtype=torch.long, device=dev)
         self.states = [torch.zeros(batch_size, state_heads(cfg), feature_dim(cfg), v_dim,
                                    dtype=torch.float32, device=dev) for _ in range(cfg.num_hidden_layers)]
         # Hybrid layers: their window and sink buffers are static too (fixed size, like the state).
         self.windows = [self._empty_window(cfg, batch_size, dev) if cfg.window else None
                         for _ in range(cfg.num_hidden_layers)]
         self.cache = GLASwapCache(cfg.num_hidden_layers)
-        self.logits = None
+        self.out = None
         self.owner = None                                          # weakref to the cache aliasing self.states
         self._capture(backend, dev)
 
@@ -107,10 +111,10 @@ class _StaticStep:
         self._alias(self.cache)
         hidden = self.model.model(input_ids=self.ids, position_ids=self.pos, past_key_values=self.cache,
                                   use_cache=True).last_hidden_state
-        logits = self.model.lm_head(hidden)
-        if self.logits is None:                                    # first (warm-up) run, outside capture
-            self.logits = torch.empty_like(logits)
-        self.logits.copy_(logits)
+        out = self.model.lm_head(hidden) if self.ids.shape[1] == 1 else hidden
+        if self.out is None:                                       # first (warm-up) run, outside capture
+            self.out = torch.empty_like(out)
+        self.out.copy_(out)
         for buf, new in zip(self.states, self.cache.states):
             buf.copy_(new)
         for buf, new in zip(self.windows, self.cache.windows):
@@ -172,7 +176,11 @@ class DecodeGraph:
     mode. One graph per batch size, captured on first use. While a cache is being decoded,
     its state tensors *are* the graph's static buffers (overwritten at every step); a
     cache that was decoded earlier gets a private copy when another cache takes over.
-    backend "replay" re-runs the step eagerly instead of replaying a graph (CPU tests).
+    A model with a sparse cache also reads prompts of SPARSE_BLOCK tokens or more through a
+    graph of one block (`prefill`): the full blocks replay it, a shorter rest runs eagerly.
+    The blocks are the ones an eager forward of the same call would choose in, so the cache
+    ends the same. backend "replay" re-runs the step eagerly instead of replaying a graph
+    (CPU tests).
     """
 
     def __init__(self, model, backend="cuda", strict=False):
@@ -181,9 +189,11 @@ class DecodeGraph:
         self.model = model
         self.backend = backend
         self.strict = strict        # raise when capturing fails instead of falling back to eager
-        self.steps: dict[int, _StaticStep] = {}
+        self.steps: dict[int, _StaticStep] = {}      # decode steps, by batch size
+        self.blocks: dict[int, _StaticStep] = {}     # prompt blocks of a sparse cache, by batch size
         self.fingerprint = self._fingerprint()
-        self.failed = None          # why capturing failed; the model then decodes eagerly
+        self.failed = None          # why capturing a decode step failed; the model then decodes eagerly
+        self.block_failed = None    # the same for prompt blocks
 
     def _fingerprint(self):
         """Where the weights live: a graph replays fixed addresses, so a move means recapture."""
@@ -192,32 +202,55 @@ class DecodeGraph:
                   m.model.layers[-1].mlp.down_proj.weight)
         return tuple((p.data_ptr(), p.dtype, p.device) for p in params)
 
-    def accepts(self, input_ids, inputs_embeds, cache) -> bool:
-        return (self.failed is None and input_ids is not None and inputs_embeds is None and input_ids.dim() == 2
-                and input_ids.shape[1] == 1 and isinstance(cache, GLASwapCache)
-                and not torch.is_grad_enabled() and not self.model.training
+    def _servable(self, input_ids, inputs_embeds, cache) -> bool:
+        return (input_ids is not None and inputs_embeds is None and input_ids.dim() == 2
+                and isinstance(cache, GLASwapCache) and not torch.is_grad_enabled() and not self.model.training
                 and (self.backend != "cuda" or input_ids.is_cuda)
                 and all(layer.self_attn.mode == "gla" for layer in self.model.model.layers))
+
+    def accepts(self, input_ids, inputs_embeds, cache) -> bool:
+        return (self.failed is None and self._servable(input_ids, inputs_embeds, cache)
+                and input_ids.shape[1] == 1)
+
+    def accepts_prefill(self, input_ids, inputs_embeds, attention_mask, cache) -> bool:
+        """A prompt of at least one full block for a sparse cache, without padding."""
+        cfg = self.model.config
+        return (self.block_failed is None and bool(cfg.window and cfg.sparse_cache)
+                and self._servable(input_ids, inputs_embeds, cache) and input_ids.shape[1] >= SPARSE_BLOCK
+                and (attention_mask is None or bool(attention_mask.all())))
+
+    def _static(self, table, batch_size, tokens):
+        """The static step of `table` for this batch size, captured on first use; None when it
+        cannot be captured (then the failure is recorded and the caller runs eagerly)."""
+        fingerprint = self._fingerprint()
+        if fingerprint != self.fingerprint:
+            self.steps.clear()
+            self.blocks.clear()
+            self.fingerprint = fingerprint
+        static = table.get(batch_size)
+        if static is None:
+            try:
+                static = table[batch_size] = _StaticStep(self.model, batch_size, self.backend, tokens)
+            except Exception as e:
+                if self.strict:
+                    raise
+                why = f"{type(e).__name__}: {e}"
+                if tokens == 1:
+                    self.failed = why
+                    warnings.warn(f"glaswap: CUDA-graph decoding is off, decoding eagerly ({why})")
+                else:
+                    self.block_failed = why
+                    warnings.warn(f"glaswap: CUDA-graph prompt blocks are off, reading prompts eagerly ({why})")
+                return None
+        return static
 
     def step(self, input_ids, position_ids, cache):
         """Logits [B, 1, vocab] of the next token, advancing `cache` by one token; None (cache
         untouched) when the graph cannot be captured, so the caller runs the step eagerly."""
         with torch.inference_mode(False), torch.no_grad():   # static buffers must be normal tensors
-            fingerprint = self._fingerprint()
-            if fingerprint != self.fingerprint:
-                self.steps.clear()
-                self.fingerprint = fingerprint
-            B = input_ids.shape[0]
-            static = self.steps.get(B)
+            static = self._static(self.steps, input_ids.shape[0], 1)
             if static is None:
-                try:
-                    static = self.steps[B] = _StaticStep(self.model, B, self.backend)
-                except Exception as e:
-                    if self.strict:
-                        raise
-                    self.failed = f"{type(e).__name__}: {e}"
-                    warnings.warn(f"glaswap: CUDA-graph decoding is off, decoding eagerly ({self.failed})")
-                    return None
+                return None
             static.adopt(cache)
             static.ids.copy_(input_ids)
             if position_ids is None:
@@ -226,7 +259,34 @@ class DecodeGraph:
                 static.pos.copy_(position_ids[:, -1:])
             static.graph.replay()
             cache.seen_tokens += 1
-            return static.logits.clone()
+            return static.out.clone()
+
+    def prefill(self, input_ids, position_ids, cache, logits_to_keep=0):
+        """The last hidden states [B, rows, hidden] of a prompt read into `cache`: at least the
+        last `logits_to_keep` rows (an int above 0), else all. None (cache untouched) when the
+        block graph cannot be captured, so the caller reads the prompt eagerly."""
+        with torch.inference_mode(False), torch.no_grad():
+            B, T = input_ids.shape
+            static = self._static(self.blocks, B, SPARSE_BLOCK)
+            if static is None:
+                return None
+            if position_ids is None:
+                position_ids = torch.arange(cache.seen_tokens, cache.seen_tokens + T, device=input_ids.device)[None]
+            want = logits_to_keep if isinstance(logits_to_keep, int) and logits_to_keep > 0 else T
+            full = T - T % SPARSE_BLOCK
+            static.adopt(cache)
+            hidden = []
+            for a in range(0, full, SPARSE_BLOCK):
+                static.ids.copy_(input_ids[:, a:a + SPARSE_BLOCK])
+                static.pos.copy_(position_ids[:, a:a + SPARSE_BLOCK])
+                static.graph.replay()
+                cache.seen_tokens += SPARSE_BLOCK
+                if a + SPARSE_BLOCK > T - want:
+                    hidden.append(static.out.clone())
+            if full < T:   # the rest, shorter than a block: one eager block, as a whole forward ends
+                hidden.append(self.model.model(input_ids=input_ids[:, full:], position_ids=position_ids[:, full:],
+                                               past_key_values=cache, use_cache=True).last_hidden_state)
+            return torch.cat(hidden, 1)
 
 
 def enable_decode_graph(model, backend="cuda", strict=False) -> DecodeGraph:
@@ -428,18 +488,18 @@ def format_bench(rows, header=True) -> str:
     def gib(x):
         return "n/a" if x is None else f"{x:.2f}"
 
-    cols = ("context", "GLA ms/tok", "tok/s", "peak GiB", "eager ms/tok", "teacher ms/tok", "tok/s",
-            "peak GiB", "speedup")
+    cols = ("context", "GLA ms/tok", "tok/s", "peak GiB", "eager ms/tok", "prefill s", "eager prefill s",
+            "teacher ms/tok", "tok/s", "peak GiB", "prefill s", "speedup")
     lines = ["  ".join(f"{c:>{max(len(c), 8)}}" for c in cols)] if header else []
     for r in rows:
         s, e, t = r["student"], r["student_eager"], r.get("teacher")
         cells = [str(r["context"]), f"{s['ms_per_step']:.2f}", f"{s['tokens_per_s']:.1f}", gib(s["peak_gib"]),
-                 f"{e['ms_per_step']:.2f}"]
+                 f"{e['ms_per_step']:.2f}", f"{s['prefill_s']:.3f}", f"{e['prefill_s']:.3f}"]
         if t is not None:
             cells += [f"{t['ms_per_step']:.2f}", f"{t['tokens_per_s']:.1f}", gib(t["peak_gib"]),
-                      f"{r['speedup']:.2f}x"]
+                      f"{t['prefill_s']:.3f}", f"{r['speedup']:.2f}x"]
         else:
-            cells += ["-"] * 4
+            cells += ["-"] * 5
         lines.append("  ".join(f"{c:>{max(len(h), 8)}}" for c, h in zip(cells, cols)))
     return "\n".join(lines)
 
@@ -540,9 +600,9 @@ def bench_model(model_dir, teacher: str = "auto", contexts=None, batch_size: int
     return {"rows": rows, **extra}
 
 
-def random_models(shape: str, dtype, device, workdir: Path, seed: int = 0):
+def random_models(shape: str, dtype, device, workdir: Path, seed: int = 0, options: dict | None = None):
     """(GLA student, teacher): a Llama of RANDOM_SHAPES[shape] with random weights (the
-    teacher), saved to `workdir` and converted by glaswap.convert (the student)."""
+    teacher), saved to `workdir` and converted by glaswap.convert with `options` (the student)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from glaswap.convert import convert
@@ -550,27 +610,30 @@ def random_models(shape: str, dtype, device, workdir: Path, seed: int = 0):
     torch.manual_seed(seed)
     teacher = LlamaForCausalLM(LlamaConfig(**RANDOM_SHAPES[shape])).to(torch.bfloat16)
     teacher.save_pretrained(str(workdir / "teacher"))
-    convert(str(workdir / "teacher"), workdir / "gla", report=False, dtype="bfloat16", log=lambda *_: None)
+    convert(str(workdir / "teacher"), workdir / "gla", options=options, report=False, dtype="bfloat16",
+            log=lambda *_: None)
     student = load_student(workdir / "gla", device, dtype)
     return student, teacher.to(device=device, dtype=dtype).eval()
 
 
 def bench_random(shape: str = "smollm2", contexts=None, batch_size: int = 1, new_tokens: int = 64,
                  graph: str = "auto", device: str = "auto", dtype: str = "auto", teacher: bool = True, out=None,
-                 log=print) -> dict:
+                 options: dict | None = None, log=print) -> dict:
     """The decode benchmark with no model to download: a random Llama of RANDOM_SHAPES[shape]
-    against its conversion; decode_bench.json and .png go to `out` when it is given."""
+    against its conversion (with convert's `options`); decode_bench.json and .png go to `out`
+    when it is given."""
     dev = pick_device(device)
     dt = pick_dtype(dtype, dev)
     if contexts is None:
         contexts = DEFAULT_CONTEXTS if dev.type == "cuda" else CPU_CONTEXTS
     with tempfile.TemporaryDirectory(prefix="glaswap-bench-") as tmp:
         started = time.time()
-        student, teacher_model = random_models(shape, dt, dev, Path(tmp))
+        student, teacher_model = random_models(shape, dt, dev, Path(tmp), options=options)
         log(f"built and converted a random {shape}-shaped Llama in {time.time() - started:.0f} s")
         rows = bench_decode(student, teacher_model if teacher else None, contexts, batch_size, new_tokens, graph,
                             log=log)
-    extra = {"model": f"random {shape}", "device": str(dev), "dtype": str(dt).replace("torch.", "")}
+    extra = {"model": f"random {shape}", "options": options or {}, "device": str(dev),
+             "dtype": str(dt).replace("torch.", "")}
     if out is not None:
         paths = write_bench(rows, Path(out), f"random {shape}: decode, batch {batch_size}", extra)
         log(f"wrote {paths['json']} and {paths['png']}")

@@ -393,6 +393,44 @@ def test_static_buffer_decode_keeps_interleaved_caches_apart(folders, variant):
                 torch.testing.assert_close(wb[key], wa[key], rtol=0, atol=1e-6)
 
 
+def _read_in_two_calls(model, ids, keep, steps=4):
+    """Logits of a prompt read with a cache in two calls (two full sparse blocks and a rest, then
+    one and a rest), then greedy decode steps; and the cache."""
+    from glaswap.layers.gla_attention import SPARSE_BLOCK
+
+    cut = 2 * SPARSE_BLOCK + 3
+    cache = GLASwapCache(model.config.num_hidden_layers)
+    with torch.no_grad():
+        out = [model(ids[:, :cut], past_key_values=cache, use_cache=True, logits_to_keep=keep).logits,
+               model(ids[:, cut:], past_key_values=cache, use_cache=True, logits_to_keep=keep).logits]
+        for _ in range(steps):
+            out.append(model(out[-1][:, -1:].argmax(-1), past_key_values=cache, use_cache=True).logits)
+    return out, cache
+
+
+@pytest.mark.parametrize("keep", [0, 1])
+def test_sparse_cache_prompt_blocks_through_the_graph_match_eager(folders, keep):
+    """A sparse cache's prompt blocks through the block graph ("replay"): the same logits (all
+    rows, or the last), the same cache, the same decode steps after, as an eager forward."""
+    from glaswap.layers.gla_attention import SPARSE_BLOCK
+
+    model = _load(folders["llama-sparse"])
+    ids = torch.randint(3, 120, (2, 3 * SPARSE_BLOCK + 10), generator=torch.Generator().manual_seed(0))
+    eager, eager_cache = _read_in_two_calls(model, ids, keep)
+    runner = enable_decode_graph(model, backend="replay")
+    graphed, graph_cache = _read_in_two_calls(model, ids, keep)
+    assert sorted(runner.blocks) == [2] and sorted(runner.steps) == [2]
+    assert [t.shape for t in graphed] == [t.shape for t in eager]
+    for a, b in zip(eager, graphed):
+        torch.testing.assert_close(b, a, rtol=0, atol=1e-5)
+    assert graph_cache.seen_tokens == eager_cache.seen_tokens == ids.shape[1] + 4
+    for sa, sb in zip(eager_cache.states, graph_cache.states):
+        torch.testing.assert_close(sb, sa, rtol=0, atol=1e-5)
+    for wa, wb in zip(eager_cache.windows, graph_cache.windows):
+        for key in wa:
+            torch.testing.assert_close(wb[key], wa[key], rtol=0, atol=1e-5)
+
+
 def test_static_buffer_decode_recaptures_when_weights_move(folders):
     model = _load(folders["llama"])
     ids = _prompts()
@@ -448,11 +486,29 @@ def test_decode_graph_only_takes_what_it_can_serve(folders):
         assert runner.accepts(one, None, cache)
         assert not runner.accepts(torch.tensor([[4, 5]]), None, cache)      # a prefill
         assert not runner.accepts(one, None, None)                           # no cache
+        assert not runner.accepts_prefill(torch.zeros(1, 64, dtype=torch.long), None, None, cache)  # no sparse cache
         with model.attention_mode("softmax"):
             assert not runner.accepts(one, None, cache)
     assert not runner.accepts(one, None, cache)                              # gradients on
     with pytest.raises(ValueError, match="backend"):
         DecodeGraph(model, backend="bogus")
+
+
+def test_prompt_blocks_only_where_a_sparse_cache_reads_whole_blocks(folders):
+    from glaswap.layers.gla_attention import SPARSE_BLOCK
+
+    model = _load(folders["llama-sparse"])
+    runner = DecodeGraph(model, backend="replay")
+    block, cache = torch.zeros(1, SPARSE_BLOCK, dtype=torch.long), GLASwapCache(2)
+    with torch.no_grad():
+        assert runner.accepts_prefill(block, None, None, cache)
+        assert runner.accepts_prefill(block, None, torch.ones_like(block), cache)
+        assert not runner.accepts_prefill(block[:, 1:], None, None, cache)             # under a block
+        padded = torch.ones_like(block)
+        padded[0, 0] = 0
+        assert not runner.accepts_prefill(block, None, padded, cache)                   # padding
+        assert not runner.accepts_prefill(block, None, None, None)                      # no cache
+    assert not runner.accepts_prefill(block, None, None, cache)                         # gradients on
 
 
 # ----------------------------------------------------------------------------- decode graph on a GPU
@@ -476,6 +532,26 @@ def test_cuda_graph_decode_matches_eager_on_gpu(folders, dtype, variant):
         assert torch.equal(run.sequences, eager.sequences)
         for a, b in zip(eager.logits, run.logits):
             torch.testing.assert_close(b, a, rtol=tol, atol=tol)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cuda_graph_prompt_blocks_match_eager_on_gpu(folders, dtype):
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    from glaswap.layers.gla_attention import SPARSE_BLOCK
+
+    model = _load(folders["llama-sparse"], dtype).cuda()
+    ids = torch.randint(3, 120, (2, 3 * SPARSE_BLOCK + 10), generator=torch.Generator().manual_seed(0)).cuda()
+    eager, _ = _read_in_two_calls(model, ids, 0)
+    runner = enable_decode_graph(model, strict=True)
+    graphed, _ = _read_in_two_calls(model, ids, 0)
+    again, _ = _read_in_two_calls(model, ids, 0)               # replays the graphs captured above
+    assert sorted(runner.blocks) == [2]
+    tol = 1e-4 if dtype == torch.float32 else 5e-2
+    for run in (graphed, again):
+        for a, b in zip(eager, run):
+            torch.testing.assert_close(b.float(), a.float(), rtol=tol, atol=tol)
 
 
 @pytest.mark.gpu

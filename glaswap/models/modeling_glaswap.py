@@ -340,8 +340,9 @@ class GLASwapForCausalLM(GLASwapPreTrainedModel, GenerationMixin):
         self.model = GLASwapModel(config)
         self.vocab_size = config.vocab_size
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-        # Optional fast path for single-token decode steps (a CUDA graph of the whole step),
-        # installed by glaswap.generate.enable_decode_graph; None runs the eager path.
+        # Optional fast path for single-token decode steps (a CUDA graph of the whole step) and
+        # a sparse cache's prompt blocks, installed by glaswap.generate.enable_decode_graph;
+        # None runs the eager path.
         self.decode_runner = None
         self.post_init()
 
@@ -380,11 +381,20 @@ class GLASwapForCausalLM(GLASwapPreTrainedModel, GenerationMixin):
             logits = runner.step(input_ids, position_ids, past_key_values)  # None: it could not, run eagerly
             if logits is not None:
                 return CausalLMOutputWithPast(logits=logits, **{CACHE_NAME: past_key_values})
+        keep = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
+        if runner is not None and use_cache and past_key_values is None and \
+                all(layer.self_attn.mode == "gla" for layer in self.model.layers):
+            past_key_values = GLASwapCache(len(self.model.layers))    # made here so the runner can fill it
+        if runner is not None and labels is None and \
+                runner.accepts_prefill(input_ids, inputs_embeds, attention_mask, past_key_values):
+            hidden = runner.prefill(input_ids, position_ids, past_key_values, logits_to_keep)  # None: run eagerly
+            if hidden is not None:
+                return CausalLMOutputWithPast(logits=self.lm_head(hidden[:, keep, :]),
+                                              **{CACHE_NAME: past_key_values})
         out = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                          past_key_values=past_key_values, inputs_embeds=inputs_embeds,
                          use_cache=use_cache, cu_seqlens=cu_seqlens)
         hidden = out.last_hidden_state
-        keep = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
         logits = self.lm_head(hidden[:, keep, :])
         loss = None
         if labels is not None:
