@@ -13,8 +13,9 @@ Peak memory is torch.cuda.max_memory_allocated over the decode steps. `--option 
 converts the random model with convert's options, e.g. the GPU recipe's hybrid with a sparse
 cache, whose prompts are read in blocks (graph-replayed on CUDA):
 
-    python benchmarks/bench_generate.py --option window=128 --option sinks=4 --option sparse_cache=64 The benchmark itself is
-`glaswap.generate.bench_random` (random weights) and `bench_model` (a folder); this script
+    python benchmarks/bench_generate.py --option window=128 --option sinks=4 --option sparse_cache=64
+
+The benchmark itself is `glaswap.generate.bench_random` (random weights) and `bench_model` (a folder); this script
 only reads the arguments and prints what the machine runs.
 
 Runs from the repo root without glaswap installed: the repo root is put on sys.path and,

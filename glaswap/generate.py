@@ -217,7 +217,7 @@ class DecodeGraph:
         cfg = self.model.config
         return (self.block_failed is None and bool(cfg.window and cfg.sparse_cache)
                 and self._servable(input_ids, inputs_embeds, cache) and input_ids.shape[1] >= SPARSE_BLOCK
-                and (attention_mask is None or bool(attention_mask.all())))
+                and (attention_mask is None or bool(attention_mask.all())))     # the one host sync, last
 
     def _static(self, table, batch_size, tokens):
         """The static step of `table` for this batch size, captured on first use; None when it

@@ -382,15 +382,14 @@ class GLASwapForCausalLM(GLASwapPreTrainedModel, GenerationMixin):
             if logits is not None:
                 return CausalLMOutputWithPast(logits=logits, **{CACHE_NAME: past_key_values})
         keep = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
-        if runner is not None and use_cache and past_key_values is None and \
-                all(layer.self_attn.mode == "gla" for layer in self.model.layers):
-            past_key_values = GLASwapCache(len(self.model.layers))    # made here so the runner can fill it
-        if runner is not None and labels is None and \
-                runner.accepts_prefill(input_ids, inputs_embeds, attention_mask, past_key_values):
-            hidden = runner.prefill(input_ids, position_ids, past_key_values, logits_to_keep)  # None: run eagerly
-            if hidden is not None:
-                return CausalLMOutputWithPast(logits=self.lm_head(hidden[:, keep, :]),
-                                              **{CACHE_NAME: past_key_values})
+        if runner is not None and labels is None:
+            # a prompt with no cache given gets one here, so that the runner can fill it
+            target = GLASwapCache(len(self.model.layers)) if use_cache and past_key_values is None \
+                else past_key_values
+            if runner.accepts_prefill(input_ids, inputs_embeds, attention_mask, target):
+                hidden = runner.prefill(input_ids, position_ids, target, logits_to_keep)  # None: run eagerly
+                if hidden is not None:
+                    return CausalLMOutputWithPast(logits=self.lm_head(hidden[:, keep, :]), **{CACHE_NAME: target})
         out = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                          past_key_values=past_key_values, inputs_embeds=inputs_embeds,
                          use_cache=use_cache, cu_seqlens=cu_seqlens)
