@@ -62,10 +62,10 @@ def strong_gates(lm, fraction, decay=0.3, seed=0):
     """Low-rank gates: a random `fraction` of the channels of every layer decays by `decay` a
     step (their gate_up bias), the rest keep their start: gates as steep as a real stage 1
     learns, which take the kernels' slow path and so set the step time of a trained model."""
-    from glaswap.layers.gla_attention import _logit_for_decay
+    from glaswap.layers.gla_attention import logit_for_decay
 
     gen = torch.Generator().manual_seed(seed)
-    strong = _logit_for_decay(decay, lm.config.gate_normalizer)
+    strong = logit_for_decay(decay, lm.config.gate_normalizer)
     with torch.no_grad():
         for layer in lm.model.layers:
             bias = layer.self_attn.gate_up.bias
@@ -74,19 +74,13 @@ def strong_gates(lm, fraction, decay=0.3, seed=0):
 
 
 def stage1_step(lm, params, opt, batch):
-    """As stage 1 runs it: transfer flags on, softmax attention, MSE of every layer."""
+    """As stage 1 runs it: the transfer mode (softmax attention, MSE of every layer)."""
     from glaswap.distill.losses import transfer_step
 
-    for layer in lm.model.layers:
-        layer.self_attn.transfer = True
-    try:
-        with lm.attention_mode("softmax"):
-            with torch.autocast("cuda", dtype=torch.bfloat16):
-                loss = transfer_step(lm, batch)
-            loss.backward()     # inside the mode: gradient checkpointing recomputes the forward here
-    finally:
-        for layer in lm.model.layers:
-            layer.self_attn.transfer = False
+    with lm.attention_mode("transfer"):
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = transfer_step(lm, batch)
+        loss.backward()     # inside the mode: gradient checkpointing recomputes the forward here
     torch.nn.utils.clip_grad_norm_(params, 1.0)
     opt.step()
     lm.zero_grad(set_to_none=True)
@@ -108,17 +102,17 @@ def teacher_forward(lm, batch, mask=False):
     """Stage 2's teacher part: hidden states with adapters off, softmax attention, no grad;
     mask=True takes SDPA with a [T, T] mask instead of the varlen kernel."""
     from glaswap.distill.student import adapters_off
-    from glaswap.layers import gla_attention
+    from glaswap.layers import softmax_attention
 
-    usable = gla_attention._varlen_ok
+    usable = softmax_attention.varlen_ok
     if mask:
-        gla_attention._varlen_ok = lambda *a: False
+        softmax_attention.varlen_ok = lambda *a: False
     try:
         with torch.no_grad(), adapters_off(lm), lm.attention_mode("softmax"), \
                 torch.autocast("cuda", dtype=torch.bfloat16):
             lm.model(input_ids=batch["input_ids"], cu_seqlens=batch["cu_seqlens"], use_cache=False)
     finally:
-        gla_attention._varlen_ok = usable
+        softmax_attention.varlen_ok = usable
 
 
 def busy_fraction(fn, iters=3, top=0):

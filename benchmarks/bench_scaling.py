@@ -97,14 +97,8 @@ def step_functions(student, stage2):
     lm = student.lm
 
     def transfer(batch):
-        for layer in lm.model.layers:
-            layer.self_attn.transfer = True
-        try:
-            with lm.attention_mode("softmax"):
-                transfer_step(lm, batch).backward()
-        finally:
-            for layer in lm.model.layers:
-                layer.self_attn.transfer = False
+        with lm.attention_mode("transfer"):
+            transfer_step(lm, batch).backward()
 
     def distill(batch):
         loss = kd_step(lm, batch, stage2)

@@ -1,8 +1,8 @@
 """Benchmark the sliding-window + sink attention kernels against the GLA kernel and SDPA flash.
 
 For each shape, forward+backward median ms of:
-- window: glaswap_kernels.gla_ops.window_attention (window 64, sinks 4), gradients of o and lse;
-- gla: glaswap_kernels.gla_ops.chunk_gla with the in-kernel normaliser on hedgehog-sized
+- window: glaswap_kernels.ops.window_attention (window 64, sinks 4), gradients of o and lse;
+- gla: glaswap_kernels.ops.chunk_gla with the in-kernel normaliser on hedgehog-sized
   inputs (feature maps as wide as the head: K = V = D; --pm: K = 2D, hedgehog_pm);
 - sdpa: F.scaled_dot_product_attention, flash backend, causal, same [B, T, H, D].
 It prints window/gla (the issue's target for a hybrid layer, (gla + window)/gla <= 1.25,
@@ -29,7 +29,7 @@ DRY_RUN = False
 
 
 def _import_kernels():
-    return kernel_modules("gla_ops", "window_torch", "window_triton")
+    return kernel_modules("ops", "window_torch", "window_triton")
 
 
 def shapes():
@@ -94,7 +94,7 @@ def time_window(s, args, window_triton, device):
     return bench(fwd_bwd)
 
 
-def time_gla(s, args, gla_ops, device):
+def time_gla(s, args, ops, device):
     gen = torch.Generator(device=device).manual_seed(0)
     B, T, H, D = s["B"], s["T"], s["H"], s["D"]
     K = 2 * D if args.pm else D
@@ -110,7 +110,7 @@ def time_gla(s, args, gla_ops, device):
 
     def fwd_bwd():
         q, k, v, g, do = nxt()
-        o, _ = gla_ops.chunk_gla(q, k, v, g, normalizer=True)
+        o, _ = ops.chunk_gla(q, k, v, g, normalizer=True)
         torch.autograd.grad(o, (q, k, v, g), do)
     return bench(fwd_bwd)
 
@@ -149,7 +149,7 @@ def main(argv=None):
     device = bench_device(DRY_RUN)
     if device is None:
         return 2
-    gla_ops, window_torch, window_triton = _import_kernels()
+    ops, window_torch, window_triton = _import_kernels()
     import triton
     name = torch.cuda.get_device_name() if device == "cuda" else "cpu (dry run)"
     print(f"# {name} | torch {torch.__version__} | triton {triton.__version__} | window "
@@ -170,7 +170,7 @@ def main(argv=None):
                 print(f"  CHECK FAILED {s['name']}: o, lse, dq, dk, dv = "
                       f"{', '.join(f'{e:.2e}' for e in errs)}", file=sys.stderr)
         w = time_window(s, args, window_triton, device)
-        g = time_gla(s, args, gla_ops, device)
+        g = time_gla(s, args, ops, device)
         a = time_sdpa(s, device)
         print(f"{s['name']:18s} {status:5s} | {w:7.3f} {g:7.3f} {a:7.3f} | {w / g:7.2f} "
               f"{(w + g) / g:7.2f} {a / (w + g):8.2f}", flush=True)

@@ -23,7 +23,8 @@ from pathlib import Path
 import torch
 
 from glaswap.errors import GlaswapError
-from glaswap.layers.gla_attention import SPARSE_BLOCK, empty_window_buffers, feature_dim, state_heads
+from glaswap.layers.gla_attention import feature_dim, state_heads
+from glaswap.layers.hybrid_cache import SPARSE_BLOCK, HybridBuffers
 from glaswap.models.modeling_glaswap import CACHE_NAME, GLASwapCache, cache_of
 from glaswap.runtime import (atomic_write, check_model_folder, load_student, load_teacher, load_tokenizer,
                              pick_device, pick_dtype, teacher_source, versions)
@@ -95,16 +96,16 @@ class _StaticStep:
         dtype = self.model.model.layers[0].self_attn.q_proj.weight.dtype
         k_r = torch.zeros(1, 1, cfg.num_key_value_heads, cfg.head_dim, dtype=dtype, device=dev)
         fk = torch.zeros(1, 1, state_heads(cfg), feature_dim(cfg), dtype=dtype, device=dev)
-        return empty_window_buffers(batch_size, cfg.window, cfg.sinks, k_r, fk, cfg.sparse_cache)
+        return HybridBuffers.empty(batch_size, cfg.window, cfg.sinks, cfg.sparse_cache, k_r, fk)
 
     def _alias(self, cache):
         """Point `cache` at the static buffers."""
         cache.states = list(self.states)
-        cache.windows = [dict(w) if w is not None else None for w in self.windows]
+        cache.windows = [w.map(lambda t: t) if w is not None else None for w in self.windows]
 
     def _aliases(self, cache) -> bool:
         return (len(cache.states) == len(self.states) and all(s is b for s, b in zip(cache.states, self.states))
-                and all(w is None or (c is not None and all(c[k] is t for k, t in w.items()))
+                and all(w is None or (c is not None and all(a is b for a, b in zip(c.tensors(), w.tensors())))
                         for w, c in zip(self.windows, cache.windows)))
 
     def _run(self):
@@ -118,8 +119,8 @@ class _StaticStep:
         for buf, new in zip(self.states, self.cache.states):
             buf.copy_(new)
         for buf, new in zip(self.windows, self.cache.windows):
-            for key, t in (buf or {}).items():
-                t.copy_(new[key])
+            if buf is not None:
+                buf.copy_(new)
         self._alias(self.cache)
 
     def _capture(self, backend, dev):
@@ -147,8 +148,7 @@ class _StaticStep:
         if previous is not None and previous is not cache and any(
                 s is b for s, b in zip(previous.states, self.states)):
             previous.states = [b.clone() for b in self.states]    # another cache keeps its own copy
-            previous.windows = [{k: t.clone() for k, t in w.items()} if w is not None else None
-                                for w in self.windows]
+            previous.windows = [w.map(torch.clone) if w is not None else None for w in self.windows]
         for buf, s in zip(self.states, cache.states):
             if s is None:
                 buf.zero_()
@@ -160,10 +160,10 @@ class _StaticStep:
                 continue
             src = cache.window_buffers(i)
             if src is None:
-                empty = empty or self._empty_window(self.model.config, buf["pos"].shape[0], buf["pos"].device)
+                positions = buf.window.positions
+                empty = empty or self._empty_window(self.model.config, positions.shape[0], positions.device)
                 src = empty
-            for key, t in buf.items():
-                t.copy_(src[key])
+            buf.copy_(src)
         self._alias(cache)
         self.owner = weakref.ref(cache)
 
@@ -413,8 +413,7 @@ def check_decode_graph(model, prompt, steps: int = 8, backend: str = "cuda") -> 
     eager_cache = cache_of(out)
     graph_cache = GLASwapCache(len(eager_cache))
     graph_cache.states = [s.clone() for s in eager_cache.states]
-    graph_cache.windows = [{k: t.clone() for k, t in w.items()} if w is not None else None
-                           for w in eager_cache.windows]
+    graph_cache.windows = [w.map(torch.clone) if w is not None else None for w in eager_cache.windows]
     graph_cache.seen_tokens = eager_cache.seen_tokens
     token = out.logits[:, -1:].argmax(-1)
     previous = model.decode_runner

@@ -61,6 +61,20 @@ def recurrent_gla_torch(q, k, v, g, scale=None, initial_state=None, output_final
     return out.to(q.dtype), final
 
 
+def decode_step_torch(q, k, v, g, scale, state=None):
+    """One token of the recurrence for a whole batch at once (q [B, 1, H, K]): (o [B, 1, H, V]
+    in q's dtype, new state [B, Hkv, K, V] float32). The same maths as recurrent_gla_torch in a
+    few batched tensor ops, since that reference loops over the batch in Python."""
+    B, _, H, K = q.shape
+    Hkv, V = k.shape[2], v.shape[-1]
+    k1, v1, g1 = k[:, 0].float(), v[:, 0].float(), g[:, 0].float()          # [B, Hkv, K or V]
+    S = k1[..., :, None] * v1[..., None, :]
+    if state is not None:
+        S = torch.addcmul(S, g1.exp()[..., None], state)
+    o = torch.matmul(q[:, 0].float().view(B, Hkv, H // Hkv, K), S) * scale  # [B, Hkv, R, V]
+    return o.reshape(B, 1, H, V).to(q.dtype), S
+
+
 def _chunk_scores(qe, ke, q, k, G, bad):
     """Masked intra-chunk scores A[b, n, h, r, i, j] = sum_k q_i k_j exp(G_i - G_j), j <= i.
 

@@ -11,7 +11,7 @@ import os
 import torch
 
 try:
-    # Triton is optional for the callers of the kernel files (gla_ops falls back to gla_torch);
+    # Triton is optional for the callers of the kernel files (ops falls back to gla_torch);
     # the try block also keeps transformers' remote-code import checker from requiring it.
     import triton
     import triton.language as tl

@@ -139,3 +139,52 @@ def window_mix_torch(o_win, lse, o_lin, logit, shared=True, eps=1e-6):
     o_state = num / (den + eps)[..., None]
     o = o_win.float() + share[..., None] * (o_state - o_win.float())
     return o.to(o_win.dtype)
+
+
+def window_over_buffer_torch(q_r, q_s, k, v, key_pos, sink_k, sink_v, sink_pos, pos, window, scale,
+                             mem_k=None, mem_v=None, mem_pos=None, mem_from=None, block=256):
+    """Exact softmax of T new queries over a cache's buffers, as the hybrid layer streams.
+
+    q_r, q_s [B, T, H, D]: the queries rotated (scoring the window) and as the sinks and the
+    sparse cache are scored. k, v [B, window + T, Hkv, D]: the window buffer followed by the
+    new tokens, at key_pos [B, window + T] (-1 = empty slot). Query t sees the keys at rows
+    t + 1 .. window + t (itself always), the sinks (sink_k, sink_v [B, S, Hkv, D] at sink_pos
+    [B, S], -1 = none) once they are `window` or more positions back (pos [B, T]: the queries'
+    positions), and the sparse cache's keys (mem_k, mem_v [B, M, Hkv, D] at mem_pos [B, M, Hkv])
+    from query mem_from [B, M, Hkv] on. Returns (o [B, T, H, D] in q_r's dtype, lse [B, T, H]
+    float32). Query blocks of `block`, so memory stays O(block x (window + block))."""
+    B, T, H, D = q_r.shape
+    R = H // k.shape[2]
+    W = window
+    heads = lambda t: t.float().transpose(1, 2).repeat_interleave(R, 1)          # noqa: E731  [B, H, N, D]
+    # keys scored with q_s, and which queries see each
+    apart = []
+    if mem_k is not None:
+        t_new = torch.arange(T, device=q_r.device)
+        seen = (mem_pos >= 0)[..., None] & (mem_from[..., None] <= t_new)        # [B, M, Hkv, T]
+        apart.append((heads(mem_k), heads(mem_v), seen.permute(0, 2, 3, 1).repeat_interleave(R, 1)))
+    if sink_pos.shape[1]:
+        seen = (sink_pos[:, None, :] >= 0) & (sink_pos[:, None, :] <= pos[:, :, None] - W)   # [B, T, S]
+        apart.append((heads(sink_k), heads(sink_v), seen[:, None]))
+    outs, lses = [], []
+    for a in range(0, T, block):
+        b = min(T, a + block)
+        qb = q_r[:, a:b].float().transpose(1, 2)                                  # [B, H, n, D]
+        kk = heads(k[:, a + 1:W + b])                                             # keys a+1 .. W+b-1
+        vv = heads(v[:, a + 1:W + b])
+        t = torch.arange(a, b, device=q_r.device)[:, None]
+        j = torch.arange(a + 1, W + b, device=q_r.device)[None, :]
+        in_window = (j >= t + 1) & (j <= W + t)                                    # [n, keys]
+        live = key_pos[:, a + 1:W + b] >= 0                                        # [B, keys]
+        allowed = in_window[None] & (live[:, None, :] | (j == W + t)[None])        # a query sees itself
+        s = scale * qb @ kk.transpose(-1, -2)
+        s = s.masked_fill(~allowed[:, None], float("-inf"))
+        if apart:
+            qs = q_s[:, a:b].float().transpose(1, 2)
+            s = torch.cat([(scale * qs @ ka.transpose(-1, -2)).masked_fill(~seen[:, :, a:b], float("-inf"))
+                           for ka, _, seen in apart] + [s], -1)
+            vv = torch.cat([va for _, va, _ in apart] + [vv], -2)
+        lse = torch.logsumexp(s, -1)                                               # [B, H, n]
+        outs.append((torch.exp(s - lse[..., None]) @ vv).transpose(1, 2))
+        lses.append(lse.transpose(1, 2))
+    return torch.cat(outs, 1).to(q_r.dtype), torch.cat(lses, 1)

@@ -42,7 +42,7 @@ import torch
 
 try:
     # The try block keeps transformers' remote-code import checker from requiring Triton in
-    # a saved model's folder (gla_ops falls back to PyTorch without it).
+    # a saved model's folder (ops falls back to PyTorch without it).
     import triton
     import triton.language as tl
 except ImportError:

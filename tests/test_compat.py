@@ -254,7 +254,7 @@ def test_sdist_carries_license_and_test_helpers(tmp_path):
         names = {n.split("/", 1)[1] for n in tar.getnames() if "/" in n}
         pkg_info = tar.extractfile(next(n for n in tar.getnames() if n.endswith("/PKG-INFO"))).read().decode()
     for needed in ("LICENSE", "tests/conftest.py", "tests/helpers.py", "tests/gla_helpers.py",
-                   "tests/test_compat.py", "glaswap_kernels/gla_ops.py"):
+                   "tests/test_compat.py", "glaswap_kernels/ops.py"):
         assert needed in names, needed
     assert "License-Expression: Apache-2.0" in pkg_info
     assert re.search(r"Requires-Dist: triton.*; platform_system == \"Linux\"", pkg_info), pkg_info

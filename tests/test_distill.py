@@ -299,11 +299,9 @@ def test_attention_transfer_trains_only_the_layer_it_scores():
             get_peft_model(lm, LoraConfig(r=4, lora_alpha=8, target_modules=targets))
         for name, p in lm.named_parameters():
             p.requires_grad_(name in new or ".lora_" in name)
-        for layer in lm.model.layers:
-            layer.self_attn.transfer = True
         ids = torch.arange(150)[None] % 128
         cu = torch.tensor([0, 60, 150], dtype=torch.int32)
-        with lm.attention_mode("softmax"):
+        with lm.attention_mode("transfer"):
             loss = transfer_step(lm, {"input_ids": ids, "cu_seqlens": cu})
         loss.backward()
         return {n.replace("base_model.model.", ""): p.grad for n, p in lm.named_parameters()

@@ -112,9 +112,9 @@ def test_prefill_then_steps_match_full_forward(folders, variant):
 def test_sparse_cache_prefill_choosing_every_step_matches_steps(folders, monkeypatch):
     """A sparse cache chooses once per SPARSE_BLOCK new tokens: a prefill choosing at every
     step reads a left-padded batch as decode steps do, and every slot fills."""
-    from glaswap.layers import gla_attention as ga
+    from glaswap.layers import hybrid_cache
 
-    monkeypatch.setattr(ga, "SPARSE_BLOCK", 1)
+    monkeypatch.setattr(hybrid_cache, "SPARSE_BLOCK", 1)
     model = _load(folders["llama-sparse"])
     ids, mask = _left_padded([list(range(5, 29)), list(range(40, 57))])
     pos = (mask.cumsum(-1) - 1).clamp(min=0)
@@ -129,7 +129,7 @@ def test_sparse_cache_prefill_choosing_every_step_matches_steps(folders, monkeyp
     real = mask.bool()
     torch.testing.assert_close(torch.cat(steps, 1)[real], full.logits[real], rtol=1e-4, atol=1e-4)
     for buf in cache_of(full).windows:
-        assert (buf["mpos"] >= 0).all()
+        assert (buf.sparse.positions >= 0).all()
     assert not torch.allclose(full.logits[real], model(ids, attention_mask=mask, use_cache=False).logits[real])
 
 
@@ -249,25 +249,25 @@ def test_hybrid_cache_is_constant_size(folders):
     with torch.no_grad():
         for T in (3, 50):
             cache = cache_of(model(torch.randint(0, 128, (1, T)), use_cache=True))
-            shapes.append([{k: tuple(t.shape) for k, t in w.items()} for w in cache.windows])
+            shapes.append([[tuple(t.shape) for t in w.tensors()] for w in cache.windows])
             # and own only that: a view into the prefill's keys would keep all T of them alive
             for w in cache.windows:
-                for k, t in w.items():
+                for k, t in enumerate(w.tensors()):
                     assert t.untyped_storage().nbytes() == t.numel() * t.element_size(), (T, k)
-            pos = cache.windows[0]["pos"][0].tolist()
+            pos = cache.windows[0].window.positions[0].tolist()
             assert pos == ([-1] * (cfg.window - T) + list(range(T)) if T < cfg.window
                            else list(range(T - cfg.window, T)))
-            assert cache.windows[0]["spos"][0].tolist() == list(range(min(T, cfg.sinks))) + [-1] * (cfg.sinks - min(T, cfg.sinks))
+            assert cache.windows[0].sinks.positions[0].tolist() == list(range(min(T, cfg.sinks))) + [-1] * (cfg.sinks - min(T, cfg.sinks))
             # decode steps keep at most one row more than the window
             for _ in range(3):
                 cache = cache_of(model(torch.randint(0, 128, (1, 1)), past_key_values=cache, use_cache=True))
             for w in cache.windows:
-                for k in ("k", "v", "fk", "pos"):
-                    t = w[k]
+                for t in w.window.tensors():
                     assert t.untyped_storage().nbytes() <= t.numel() * t.element_size() * (cfg.window + 1) // cfg.window
     assert shapes[0] == shapes[1]
-    assert shapes[0][0]["k"] == (1, cfg.window, cfg.num_key_value_heads, cfg.head_dim)
-    assert shapes[0][0]["sk"] == (1, cfg.sinks, cfg.num_key_value_heads, cfg.head_dim)
+    buf = cache.windows[0]
+    assert tuple(buf.window.keys.shape) == (1, cfg.window, cfg.num_key_value_heads, cfg.head_dim)
+    assert tuple(buf.sinks.keys.shape) == (1, cfg.sinks, cfg.num_key_value_heads, cfg.head_dim)
 
 
 @pytest.mark.compat
@@ -389,14 +389,15 @@ def test_static_buffer_decode_keeps_interleaved_caches_apart(folders, variant):
         for sa, sb in zip(a.states, b.states):
             torch.testing.assert_close(sb, sa, rtol=0, atol=1e-6)
         for wa, wb in zip(a.windows, b.windows):
-            for key in wa or {}:
-                torch.testing.assert_close(wb[key], wa[key], rtol=0, atol=1e-6)
+            for ta, tb in zip(wa.tensors() if wa is not None else [], wb.tensors() if wb is not None else [],
+                              strict=True):
+                torch.testing.assert_close(tb, ta, rtol=0, atol=1e-6)
 
 
 def _read_in_two_calls(model, ids, keep, steps=4):
     """Logits of a prompt read with a cache in two calls (two full sparse blocks and a rest, then
     one and a rest), then greedy decode steps; and the cache."""
-    from glaswap.layers.gla_attention import SPARSE_BLOCK
+    from glaswap.layers.hybrid_cache import SPARSE_BLOCK
 
     cut = 2 * SPARSE_BLOCK + 3
     cache = GLASwapCache(model.config.num_hidden_layers)
@@ -412,7 +413,7 @@ def _read_in_two_calls(model, ids, keep, steps=4):
 def test_sparse_cache_prompt_blocks_through_the_graph_match_eager(folders, keep):
     """A sparse cache's prompt blocks through the block graph ("replay"): the same logits (all
     rows, or the last), the same cache, the same decode steps after, as an eager forward."""
-    from glaswap.layers.gla_attention import SPARSE_BLOCK
+    from glaswap.layers.hybrid_cache import SPARSE_BLOCK
 
     model = _load(folders["llama-sparse"])
     ids = torch.randint(3, 120, (2, 3 * SPARSE_BLOCK + 10), generator=torch.Generator().manual_seed(0))
@@ -427,8 +428,8 @@ def test_sparse_cache_prompt_blocks_through_the_graph_match_eager(folders, keep)
     for sa, sb in zip(eager_cache.states, graph_cache.states):
         torch.testing.assert_close(sb, sa, rtol=0, atol=1e-5)
     for wa, wb in zip(eager_cache.windows, graph_cache.windows):
-        for key in wa:
-            torch.testing.assert_close(wb[key], wa[key], rtol=0, atol=1e-5)
+        for ta, tb in zip(wa.tensors(), wb.tensors(), strict=True):
+            torch.testing.assert_close(tb, ta, rtol=0, atol=1e-5)
 
 
 def test_static_buffer_decode_recaptures_when_weights_move(folders):
@@ -495,7 +496,7 @@ def test_decode_graph_only_takes_what_it_can_serve(folders):
 
 
 def test_prompt_blocks_only_where_a_sparse_cache_reads_whole_blocks(folders):
-    from glaswap.layers.gla_attention import SPARSE_BLOCK
+    from glaswap.layers.hybrid_cache import SPARSE_BLOCK
 
     model = _load(folders["llama-sparse"])
     runner = DecodeGraph(model, backend="replay")
@@ -539,7 +540,7 @@ def test_cuda_graph_decode_matches_eager_on_gpu(folders, dtype, variant):
 def test_cuda_graph_prompt_blocks_match_eager_on_gpu(folders, dtype):
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
-    from glaswap.layers.gla_attention import SPARSE_BLOCK
+    from glaswap.layers.hybrid_cache import SPARSE_BLOCK
 
     model = _load(folders["llama-sparse"], dtype).cuda()
     ids = torch.randint(3, 120, (2, 3 * SPARSE_BLOCK + 10), generator=torch.Generator().manual_seed(0)).cuda()

@@ -191,15 +191,15 @@ def test_in_kernel_normalizer(case):
 
 @needs_kernels
 def test_ops_normalizer_dispatch():
-    """gla_ops.chunk_gla(normalizer=True): the Triton path (the in-kernel normaliser) matches
+    """ops.chunk_gla(normalizer=True): the Triton path (the in-kernel normaliser) matches
     the PyTorch path (a column of ones), outputs, final state and gradients."""
-    from glaswap_kernels import gla_ops
+    from glaswap_kernels import ops
     (q, k, v, g), s0, _, do, dht = make_inputs(1, 40, 4, 2, 16, 17, h0=True)
     v = v[..., :16]
     outs = []
     for backend in ("torch", "triton"):
         xs = [x.clone().to(DEVICE).requires_grad_() for x in (q, k, v, g, s0)]
-        o, ht = gla_ops.chunk_gla(*xs[:4], initial_state=xs[4], output_final_state=True,
+        o, ht = ops.chunk_gla(*xs[:4], initial_state=xs[4], output_final_state=True,
                                   backend=backend, normalizer=True)
         assert o.shape[-1] == 17 and ht.shape[-1] == 17
         ((o * do.to(DEVICE)).sum() + (ht * dht.to(DEVICE)).sum()).backward()
@@ -213,7 +213,7 @@ def test_normalizer_chain_keeps_padded_rows(monkeypatch):
     """chunk_gla(normalizer=True) then normalize, as the layer runs them: the Triton chain
     matches PyTorch's, o comes out as a view of rows padded to 8 values, and the gradient
     reaches the GLA backward in that layout (read in place, not copied to V + 1 rows)."""
-    from glaswap_kernels import gla_ops
+    from glaswap_kernels import ops
     seen = []
     backward = gla_triton._backward
 
@@ -228,10 +228,10 @@ def test_normalizer_chain_keeps_padded_rows(monkeypatch):
     outs = []
     for backend in ("torch", "triton"):
         xs = [x.clone().to(DEVICE).requires_grad_() for x in (q, k, v, g)]
-        o, _ = gla_ops.chunk_gla(*xs, backend=backend, normalizer=True)
+        o, _ = ops.chunk_gla(*xs, backend=backend, normalizer=True)
         if backend == "triton":
             assert o.shape[-1] == 17 and o.stride(-2) == 24, o.stride()
-        y = gla_ops.normalize(o, 1e-6, backend=backend)
+        y = ops.normalize(o, 1e-6, backend=backend)
         (y * dy.to(DEVICE)).sum().backward()
         outs.append([y] + [x.grad for x in xs])
     for a, b in zip(*outs):

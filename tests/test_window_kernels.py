@@ -18,7 +18,7 @@ import torch.nn.functional as F
 
 from gla_helpers import (DEVICE, gpu_only, interpreter_warnings, needs_kernels,  # noqa: F401
                          poison_outputs, rel)
-from glaswap_kernels import gla_ops
+from glaswap_kernels import ops
 from glaswap_kernels.window_torch import window_attention_torch
 from glaswap_kernels.window_triton import fused_window_attention
 
@@ -216,17 +216,17 @@ def test_one_output_gradient(grads):
 @needs_kernels
 def test_dispatch_and_backends():
     q, k, v, *_ = make_inputs(1, 20, 2, 1, 16, device=DEVICE)
-    o_t, lse_t = gla_ops.window_attention(q, k, v, 4, 2, backend="triton")
-    o_r, lse_r = gla_ops.window_attention(q, k, v, 4, 2, backend="torch")
+    o_t, lse_t = ops.window_attention(q, k, v, 4, 2, backend="triton")
+    o_r, lse_r = ops.window_attention(q, k, v, 4, 2, backend="torch")
     assert rel(o_t, o_r) < 1e-5 and rel(lse_t, lse_r) < 1e-5
     with pytest.raises(ValueError, match="backend"):
-        gla_ops.window_attention(q, k, v, 4, backend="cuda")
+        ops.window_attention(q, k, v, 4, backend="cuda")
 
 
 @pytest.mark.parametrize("backend", ["torch", pytest.param("triton", marks=needs_kernels)])
 def test_bad_inputs(backend):
     q, k, v, *_ = make_inputs(1, 8, 4, 2, 16, device=DEVICE)
-    call = lambda *a, **kw: gla_ops.window_attention(*a, backend=backend, **kw)  # noqa: E731
+    call = lambda *a, **kw: ops.window_attention(*a, backend=backend, **kw)  # noqa: E731
     cases = [((q, k, v, 0), {}, "window"), ((q, k, v, True), {}, "window"),
              ((q, k, v, 2.0), {}, "window"), ((q, k, v, 4, -1), {}, "sinks"),
              ((q, k[:, :5], v[:, :5], 4), {}, "k and v"), ((q, k, v[..., :8], 4), {}, "k and v"),
@@ -315,7 +315,7 @@ def test_mix_reference_shared_form_is_one_normaliser():
 def test_mix_bad_shapes():
     o_win, lse, o_lin, logit, _ = mix_inputs((1, 4), 2, 8, torch.float32, "cpu", False)
     with pytest.raises(ValueError, match="window_mix wants"):
-        gla_ops.window_mix(o_win, lse, o_lin[..., :-1], logit)
+        ops.window_mix(o_win, lse, o_lin[..., :-1], logit)
 
 
 # ----------------------------------------------------------------------------- the rotation

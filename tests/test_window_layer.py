@@ -18,7 +18,7 @@ from helpers import logits_and_grads_by_backend, randomise_new_parameters, read_
 from glaswap.cli import main
 from glaswap.convert import glaswap_config
 from glaswap.models.modeling_glaswap import GLASwapForCausalLM
-from glaswap_kernels.gla_torch import apply_rope
+from glaswap_kernels.ops import apply_rope
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
@@ -155,9 +155,7 @@ def test_attention_transfer_trains_the_mix():
     _, student = hybrid_student({"window": 2, "sinks": 1}, layers=2)
     randomise_new_parameters(student)
     assert any(n.endswith("window_mix.logit") for n in student.new_parameter_names())
-    student.set_attention_mode("softmax")
-    for layer in student.model.layers:
-        layer.self_attn.transfer = True
+    student.set_attention_mode("transfer")
     ids = torch.randint(0, 128, (2, 10), generator=torch.Generator().manual_seed(5))
     out = student.model(input_ids=ids, use_cache=False)
     torch.stack(out.transfer_losses).mean().backward()
@@ -226,7 +224,7 @@ def test_exact_part_does_not_depend_on_absolute_position(mix):
     short and one long: its exact part (window op output and lse) is the same, since a sink
     outside the window is scored at distance W whatever its true distance (with the true
     distance, past a teacher's trained positions, it scores as the teacher never did)."""
-    from glaswap_kernels.gla_ops import window_attention
+    from glaswap_kernels.ops import window_attention
     _, student = hybrid_student({"window": 4, "sinks": 2, "window_mix": mix})
     attn = student.model.layers[0].self_attn
     gen = torch.Generator().manual_seed(5)
@@ -238,8 +236,9 @@ def test_exact_part_does_not_depend_on_absolute_position(mix):
         cos, sin = student.model.rotary_emb(x, torch.arange(x.shape[1])[None])
         with torch.no_grad():
             q, k, v = attn._project(x)
-            q_r, k_r, v_r, q_s, k_s = attn._exact_inputs(q, k, v, (cos, sin))
-            o, lse = window_attention(q_r, k_r, v_r, 4, 2, scale=attn.head_dim ** -0.5, q_sink=q_s, k_sink=k_s)
+            e = attn._exact_inputs(q, k, v, (cos, sin))
+            o, lse = window_attention(e.q_rotated, e.k_rotated, e.values, 4, 2, scale=attn.head_dim ** -0.5,
+                                      q_sink=e.q_plain, k_sink=e.k_turned)
         results.append((o[0, -1], lse[0, -1]))
     torch.testing.assert_close(results[0][0], results[1][0], rtol=1e-4, atol=1e-5)
     torch.testing.assert_close(results[0][1], results[1][1], rtol=1e-4, atol=1e-5)
@@ -251,7 +250,7 @@ def test_exact_part_does_not_depend_on_absolute_position(mix):
 def test_gpu_teacher_on_packed_documents_takes_flash_varlen(arch, monkeypatch):
     """The teacher (softmax mode, bf16) over packed documents runs torch's flash varlen kernel
     and gives what SDPA with the block-diagonal causal mask gives."""
-    from glaswap.layers import gla_attention as ga
+    from glaswap.layers import softmax_attention as sa
 
     _, student = hybrid_student({}, arch=arch, layers=2)
     student = student.to("cuda", torch.bfloat16)
@@ -259,12 +258,12 @@ def test_gpu_teacher_on_packed_documents_takes_flash_varlen(arch, monkeypatch):
     ids = torch.randint(0, 128, (2, 300), generator=gen).cuda()
     cu = torch.tensor([0, 37, 300, 301, 450, 600], dtype=torch.int32)   # a 1-token document too
     calls = []
-    real = ga._varlen_causal
-    monkeypatch.setattr(ga, "_varlen_causal", lambda *a, **k: calls.append(1) or real(*a, **k))
+    real = sa.varlen_causal
+    monkeypatch.setattr(sa, "varlen_causal", lambda *a, **k: calls.append(1) or real(*a, **k))
     with torch.no_grad(), student.attention_mode("softmax"):
         flash = student(ids, cu_seqlens=cu, use_cache=False).logits.float()
         assert len(calls) == 2
-        monkeypatch.setattr(ga, "_varlen_ok", lambda *a: False)
+        monkeypatch.setattr(sa, "varlen_ok", lambda *a: False)
         masked = student(ids, cu_seqlens=cu, use_cache=False).logits.float()
     err = ((flash - masked).norm() / masked.norm()).item()
     assert err < 1e-2, err
@@ -348,10 +347,10 @@ def reference_sparse_cache(attn, x, cos, sin, cos_w, sin_w, M):
 ])
 def test_sparse_cache_matches_its_definition(options, monkeypatch):
     """A one-call prefill choosing at every step (SPARSE_BLOCK = 1) against the definition."""
-    from glaswap.layers import gla_attention as ga
+    from glaswap.layers import hybrid_cache as hc
     from glaswap.models.modeling_glaswap import GLASwapCache
 
-    monkeypatch.setattr(ga, "SPARSE_BLOCK", 1)
+    monkeypatch.setattr(hc, "SPARSE_BLOCK", 1)
     _, student = hybrid_student(options, arch="qwen3")       # GQA: two query heads per KV head
     randomise_new_parameters(student)
     attn = student.model.layers[0].self_attn
@@ -363,16 +362,16 @@ def test_sparse_cache_matches_its_definition(options, monkeypatch):
         got, _ = attn(x, position_embeddings=(cos, sin), past_key_values=cache)
         want = reference_sparse_cache(attn, x, cos, sin, cos_w, sin_w, options["sparse_cache"])
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
-    assert (cache.window_buffers(0)["mpos"] >= 0).all()    # 13 tokens: every slot holds a key
+    assert (cache.window_buffers(0).sparse.positions >= 0).all()    # 13 tokens: every slot holds a key
 
 
 def test_sparse_cache_keeps_the_key_stated_once(monkeypatch):
     """Repeated text goes into the state; a token stated once among it stays in the cache. In
     the first layer a repeated token has one value, which any state of it recalls exactly."""
-    from glaswap.layers import gla_attention as ga
+    from glaswap.layers import hybrid_cache as hc
     from glaswap.models.modeling_glaswap import GLASwapCache
 
-    monkeypatch.setattr(ga, "SPARSE_BLOCK", 8)
+    monkeypatch.setattr(hc, "SPARSE_BLOCK", 8)
     _, student = hybrid_student({"window": 4, "sinks": 1, "sparse_cache": 2})
     randomise_new_parameters(student)
     ids = torch.tensor([[1] + [11] * 30 + [99] + [11] * 60])
@@ -380,8 +379,8 @@ def test_sparse_cache_keeps_the_key_stated_once(monkeypatch):
         cache = GLASwapCache(1)
         student(input_ids=ids, past_key_values=cache, use_cache=True)
     buf = cache.window_buffers(0)
-    assert (buf["mpos"] == 31).any(1).all(), buf["mpos"]       # every KV head kept it
-    assert buf["pos"].min() > 31 + 4                            # long out of the window
+    assert (buf.sparse.positions == 31).any(1).all(), buf.sparse.positions   # every KV head kept it
+    assert buf.window.positions.min() > 31 + 4                            # long out of the window
 
 
 def test_sparse_cache_needs_a_window():

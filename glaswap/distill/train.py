@@ -127,17 +127,13 @@ def _distill(recipe: Recipe, out: Path, folder: Path, resume: bool, force: bool,
     # ---- stage 1: attention transfer (gates and feature maps only)
     s1 = recipe.stage1
     if start_stage == 1 and s1.steps > 0:
-        for layer in lm.model.layers:
-            layer.self_attn.transfer = True
         opt, sched = make_optimizer([params[n] for n in sorted(student.new_names)], s1, s1.steps)
         if ckpt:
             restore_optimizer(ckpt[2], opt, sched, dist, lm)
         stage = StageContext(number=1, cfg=s1, step_fn=lambda b: transfer_step(lm, b), model=lm, optimizer=opt,
                              scheduler=sched, blocks=data.blocks, start_step=start_step, run=run)
-        with lm.attention_mode("softmax"):
+        with lm.attention_mode("transfer"):
             run_stage(stage)
-        for layer in lm.model.layers:
-            layer.self_attn.transfer = False
         if recipe.train.eval_after_stage1:
             evals["stage1"] = _evaluate(run, lm, data, 1, s1.steps, log)
     elif start_stage == 2:  # stage 1 ran before the interruption: its evaluation is in the log

@@ -3,29 +3,33 @@
 It keeps the teacher's `q_proj`, `k_proj`, `v_proj`, `o_proj` (and `q_norm`, `k_norm` where the
 teacher has them) under the same names, so checkpoints and LoRA targets carry over, and adds
 a gate and, optionally, learned feature maps. The same module can also run the teacher's
-softmax attention from the same weights (`mode = "softmax"`): distillation uses that for
-teacher outputs without a second copy of the model.
+softmax attention from the same weights (`mode = "softmax"`, softmax_attention.py):
+distillation uses that for teacher outputs without a second copy of the model. A hybrid
+layer's cache and reading through it live in hybrid_cache.py.
 
 This file is copied into every saved model folder: it imports only torch, transformers'
-public utilities and the GLA ops, never the rest of glaswap.
+public utilities, the other files of glaswap.layers and the GLA ops, never the rest of glaswap.
 """
 
 from __future__ import annotations
 
-import functools
 import math
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from glaswap_kernels.gla_ops import (HAS_TRITON, chunk_gla, feature_map, gate_logsigmoid, normalize, recurrent_gla,
-                                     rope, window_attention, window_mix, with_ones)
-from glaswap_kernels.gla_torch import apply_rope
+from glaswap.layers.hybrid_cache import ExactInputs, HybridBuffers, StreamLayer, stream
+from glaswap.layers.softmax_attention import softmax_attention
+from glaswap_kernels.ops import (chunk_gla, decode_step, feature_map, gate_logsigmoid, normalize, rope, window_attention,
+                                 window_mix, with_ones)
 
-# The allowed gates and feature maps: configuration_glaswap.GLA_OPTIONS (and cli.py's choices).
+# The allowed gates and feature maps: configuration_glaswap.GLA_OPTIONS.
 LEARNED_MAPS = ("hedgehog", "hedgehog_pm")   # the maps with a per-head matrix W
-MODES = ("gla", "softmax")
+# gla: the student. softmax: the teacher's attention from the same weights. transfer: the
+# teacher's output, with the GLA output's distance to it (attention transfer, distillation's
+# stage 1; GLAAttention.forward returns it).
+MODES = ("gla", "softmax", "transfer")
 
 
 def feature_dim(config):
@@ -94,7 +98,7 @@ class FeatureMap(nn.Module):
     [softmax(x W), softmax(-x W)], twice as wide: one softmax can only favour large
     components of x W, the pair also sees the most negative ones (as LoLCATs' maps do). On
     CUDA the rotation, W and softmax (both halves for hedgehog_pm) run as one Triton kernel
-    each way (`gla_ops.feature_map`).
+    each way (`ops.feature_map`).
     """
 
     def __init__(self, kind, heads, dim):
@@ -134,11 +138,7 @@ class GLAAttention(nn.Module):
         # States per layer (= num_kv_heads unless state_heads="query"): keys, values and
         # gates are per state head; each KV head is repeated over its query heads if needed.
         self.num_state_heads = state_heads(config)
-        self.mode = "gla"
-        # Set by attention transfer: also compute the GLA output in softmax mode and keep
-        # its distance to the teacher's output in `transfer_loss`.
-        self.transfer = False
-        self.transfer_loss = None
+        self.mode = "gla"   # one of MODES
 
         q_dim, kv_dim = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         self.q_proj = nn.Linear(self.hidden_size, q_dim, bias=config.qkv_bias)
@@ -231,7 +231,7 @@ class GLAAttention(nn.Module):
     def _start_logit(self):
         """The gate logit whose decay, after the horizon's shift, is gate_init_decay."""
         cfg = self.config
-        return _logit_for_decay(cfg.gate_init_decay * math.exp(self._decay_shift()), cfg.gate_normalizer)
+        return logit_for_decay(cfg.gate_init_decay * math.exp(self._decay_shift()), cfg.gate_normalizer)
 
     def _per_state_head(self, t):
         """A [B, T, Hkv, ...] key/value tensor repeated over each group's query heads when
@@ -241,7 +241,9 @@ class GLAAttention(nn.Module):
 
     def forward(self, hidden_states, position_embeddings=None, attention_mask=None,
                 past_key_values=None, cu_seqlens=None, position_ids=None, **kwargs):
-        if self.mode == "softmax" and self.transfer:
+        """(output [B, T, hidden], transfer loss): the loss is the GLA output's MSE to the
+        teacher's in "transfer" mode, None otherwise."""
+        if self.mode == "transfer":
             # Attention transfer: this layer's gate and feature maps learn on the teacher's own
             # inputs and projections, held fixed. Without the detach each layer's loss would run
             # backward through every earlier layer too (stage 2's LoRA adapters already require
@@ -249,37 +251,17 @@ class GLAAttention(nn.Module):
             x = hidden_states.detach()
             with torch.no_grad():
                 q, k, v = self._project(x)
-                out = self._softmax_attention(q, k, v, position_embeddings, attention_mask, cu_seqlens)
+                out = self._teacher(q, k, v, position_embeddings, attention_mask, cu_seqlens)
             gla = self._gla(x, q, k, v, position_embeddings, attention_mask, None, cu_seqlens, position_ids)
-            self.transfer_loss = F.mse_loss(gla.float(), out.float())
-            return out, None
+            return out, F.mse_loss(gla.float(), out.float())
         q, k, v = self._project(hidden_states)
         if self.mode == "softmax":
-            out = self._softmax_attention(q, k, v, position_embeddings, attention_mask, cu_seqlens)
-            return out, None
+            return self._teacher(q, k, v, position_embeddings, attention_mask, cu_seqlens), None
         return self._gla(hidden_states, q, k, v, position_embeddings, attention_mask,
                          past_key_values, cu_seqlens, position_ids), None
 
-    def _softmax_attention(self, q, k, v, position_embeddings, attention_mask, cu_seqlens):
-        """The teacher's attention from the same weights: SDPA, or flash varlen over packed
-        documents on CUDA."""
-        cos, sin = position_embeddings
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        B, T = q.shape[:2]
-        if cu_seqlens is not None and attention_mask is None and _varlen_ok(q, T, self.config.sliding_window):
-            # packed documents: flash attention per document rather than SDPA with a [T, T]
-            # mask, which rules flash out (at 8 x 2048 the masked kernel takes twice as long,
-            # and the mask is built in every layer)
-            o = _varlen_causal(q, k, v, cu_seqlens, T, self.head_dim ** -0.5)
-            return self.o_proj(o.reshape(B, T, -1))
-        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-        R = self.num_heads // self.num_kv_heads
-        if R > 1:
-            k, v = k.repeat_interleave(R, dim=1), v.repeat_interleave(R, dim=1)
-        mask = _softmax_mask(B, T, q.device, attention_mask, cu_seqlens, self.config.sliding_window)
-        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None,
-                                           scale=self.head_dim ** -0.5)
-        o = o.transpose(1, 2).reshape(B, T, -1)
+    def _teacher(self, q, k, v, position_embeddings, attention_mask, cu_seqlens):
+        o = softmax_attention(q, k, v, position_embeddings, attention_mask, cu_seqlens, self.config.sliding_window)
         return self.o_proj(o)
 
     def _gla(self, x, q, k, v, position_embeddings, attention_mask, cache, cu_seqlens, position_ids=None):
@@ -308,12 +290,7 @@ class GLAAttention(nn.Module):
             if cache is None and attention_mask is None:
                 o = self._hybrid(q, k, v, g, exact, scale, cu_seqlens)
             else:
-                valid = attention_mask[:, -T:].bool() if attention_mask is not None and attention_mask.dim() == 2 \
-                    else torch.ones(B, T, dtype=torch.bool, device=q.device)
-                if position_ids is None:
-                    past = cache.seen_tokens if cache is not None else 0
-                    position_ids = torch.arange(past, past + T, device=q.device)[None]
-                o = self._hybrid_stream(q, k, v, g, exact, scale, position_ids.expand(B, T), valid, cache)
+                o = self._stream(q, k, v, g, exact, scale, attention_mask, cache, position_ids)
             return self.o_proj(o.reshape(B, T, -1))
         if cu_seqlens is not None and B > 1:
             # Packed documents: the kernel takes one flat sequence with boundaries.
@@ -322,8 +299,8 @@ class GLAAttention(nn.Module):
         # With the normaliser, o's last column is the denominator: what a column of ones
         # appended to v returns (the state carries it as its last column too).
         if cache is not None and T == 1 and not torch.is_grad_enabled():
-            o, new_state = _decode_step(q, k, with_ones(v) if cfg.normalizer else v, g, scale,
-                                        state, cfg.gla_backend)
+            o, new_state = decode_step(q, k, with_ones(v) if cfg.normalizer else v, g, scale,
+                                       state, cfg.gla_backend)
         else:
             o, new_state = chunk_gla(q, k, v, g, scale=scale, initial_state=state,
                                      output_final_state=cache is not None, cu_seqlens=cu_seqlens,
@@ -335,7 +312,6 @@ class GLAAttention(nn.Module):
             o = normalize(o, cfg.normalizer_eps, cfg.gla_backend)
         return self.o_proj(o.reshape(B, T, -1))
 
-
     # ---------------------------------------------------------------- hybrid: window + state
     # Token i sees keys j > i - W (its window) and j < S (its document's sinks) exactly; every
     # other earlier key j enters the GLA state at step j + W, once it has left the window, and
@@ -343,30 +319,27 @@ class GLAAttention(nn.Module):
     # than the window gets exactly the teacher's attention. A sink outside the window is
     # scored as if it stood W tokens back, where it was when it left the window: with its
     # true distance the score would depend on absolute position, and past the teacher's
-    # trained positions it takes values the teacher never produced (measured: the one-pass
-    # loss then climbs from 8K tokens on).
+    # trained positions it would take values the teacher never produced.
 
-    def _exact_inputs(self, q, k, v, position_embeddings, turned=True):
-        """(q_r, k_r, v, q_sink, k_sink): the teacher's rotated q and k for the window; for the
-        sinks and the sparse cache (None without `turned`) the unrotated q and k turned back by
-        W steps, since rope_i(q) . rope_(i-W)(k) = q . rope_(-W)(k)."""
+    def _exact_inputs(self, q, k, v, position_embeddings, turned=True) -> ExactInputs:
+        """The softmax part's inputs; the turned ones (sinks, sparse cache) only with `turned`."""
         cfg = self.config
         cos, sin = position_embeddings
         q_r, k_r = rope(q, cos, sin, cfg.gla_backend), rope(k, cos, sin, cfg.gla_backend)
         if not turned:
-            return q_r, k_r, v, None, None
+            return ExactInputs(q_r, k_r, v, None, None)
         turn = self._sink_turn
         if turn is None or turn[0].device != cos.device or turn[0].dtype != cos.dtype:
             turn = self._sink_turn = tuple(t.to(device=cos.device, dtype=cos.dtype) for t in sink_rotation(cfg))
         T = k.shape[1]
         k_s = rope(k, turn[0].expand(1, T, -1), turn[1].expand(1, T, -1), cfg.gla_backend)
-        return q_r, k_r, v, q, k_s
+        return ExactInputs(q_r, k_r, v, q, k_s)
 
-    def _hybrid(self, q, k, v, g, exact, scale, cu_seqlens):
+    def _hybrid(self, q, k, v, g, exact: ExactInputs, scale, cu_seqlens):
         """Whole sequences (training, scoring): [B, T, H, D] from the window op and chunk_gla."""
         cfg = self.config
         B, T = q.shape[:2]
-        q_r, k_r, v_r, q_s, k_s = exact
+        q_r, k_r, v_r, q_s, k_s = exact.q_rotated, exact.k_rotated, exact.values, exact.q_plain, exact.k_turned
         if cu_seqlens is not None and B > 1:
             q, k, v, g, q_r, k_r, v_r, q_s, k_s = (None if t is None else t.reshape(1, B * T, *t.shape[2:])
                                                    for t in (q, k, v, g, q_r, k_r, v_r, q_s, k_s))
@@ -377,71 +350,33 @@ class GLAAttention(nn.Module):
                                       cu_seqlens=cu_seqlens, q_sink=q_s, k_sink=k_s, backend=cfg.gla_backend)
         return self._combine(o_win, lse, o_lin).reshape(B, T, self.num_heads, -1)
 
-    def _hybrid_stream(self, q, k, v, g, exact, scale, pos, valid, cache):
-        """Continuing from a cache (prefill in chunks, decode steps) or with padding: the
-        cache's window buffer (the last W tokens' rotated keys, values, feature-mapped keys
-        and positions, -1 for none or padding) and sink buffer (the sinks' keys as
-        _exact_inputs turns them) stand before the new tokens. With a sparse cache the new
-        tokens go through in blocks of SPARSE_BLOCK, each choosing which keys leaving the
-        window the cache keeps (_sparse_select)."""
+    def _stream(self, q, k, v, g, exact, scale, attention_mask, cache, position_ids):
+        """Continuing from a cache (a prompt in chunks, decode steps), or with padding: the
+        layer's HybridBuffers stand before the new tokens (hybrid_cache.stream)."""
         cfg = self.config
         B, T = q.shape[:2]
-        M = cfg.sparse_cache if cache is not None else 0
-        buf = cache.window_buffers(self.layer_idx) if cache is not None else None
-        if buf is None:
-            buf = empty_window_buffers(B, cfg.window, cfg.sinks, exact[1], k, M)
+        valid = attention_mask[:, -T:].bool() if attention_mask is not None and attention_mask.dim() == 2 \
+            else torch.ones(B, T, dtype=torch.bool, device=q.device)
+        if position_ids is None:
+            past = cache.seen_tokens if cache is not None else 0
+            position_ids = torch.arange(past, past + T, device=q.device)[None]
+        pos = torch.where(valid, position_ids.expand(B, T).long(), -1)
+        sparse = cfg.sparse_cache if cache is not None else 0
+        buffers = cache.window_buffers(self.layer_idx) if cache is not None else None
+        if buffers is None:
+            buffers = HybridBuffers.empty(B, cfg.window, cfg.sinks, sparse, exact.k_rotated, k)
         state = cache.recurrent_state(self.layer_idx) if cache is not None else None
-        pos = torch.where(valid, pos.long(), -1)
-        step = SPARSE_BLOCK if M else T
-        outs = []
-        for a in range(0, T, step):
-            part = slice(a, min(T, a + step))
-            o, buf, state = self._stream_block(
-                q[:, part], k[:, part], v[:, part], g[:, part], tuple(t if t is None else t[:, part] for t in exact),
-                scale, pos[:, part], buf, state, M, cache is not None)
-            outs.append(o)
+        layer = StreamLayer(cfg.window, cfg.sinks, sparse, scale, self.head_dim ** -0.5, cfg.gla_backend,
+                            self._per_state_head, self._combine)
+        o, buffers, state = stream(layer, q, k, v, g, exact, pos, buffers, state, cache is not None)
         if cache is not None:
             cache.set_recurrent_state(self.layer_idx, state)
-            cache.set_window_buffers(self.layer_idx, buf)
-        return outs[0] if len(outs) == 1 else torch.cat(outs, 1)
-
-    def _stream_block(self, q, k, v, g, exact, scale, pos, buf, state, M, cached):
-        """One stretch of new tokens after `buf` and `state`: (o, buffers after, state after)."""
-        cfg = self.config
-        W, S = cfg.window, cfg.sinks
-        T = q.shape[1]
-        q_r, k_r, v_r, q_s, k_s = exact
-        K, V = torch.cat([buf["k"], k_r], 1), torch.cat([buf["v"], v_r], 1)
-        FK, P = torch.cat([buf["fk"], k], 1), torch.cat([buf["pos"], pos], 1)
-        # New step t takes into the state the key that leaves the window then: index t of the
-        # concatenation (W steps back), unless it is padding, empty or a sink (or, with a sparse
-        # cache, kept there).
-        enter = (P[:, :T] >= S)[:, :, None]                                          # [B, T, 1]
-        memory = None
-        if M:
-            TK = torch.cat([buf["tk"], k_s], 1)
-            kept, memory, state = _sparse_select(buf, state, FK[:, :T], V[:, :T], TK[:, :T], P[:, :T], g, S,
-                                                  self._per_state_head)
-            enter = enter & ~kept                                                    # [B, T, Hkv]
-        enter = self._per_state_head(enter[..., None])                               # [B, T, Hs or 1, 1]
-        k_in = FK[:, :T] * enter.to(FK.dtype)
-        v_in = self._per_state_head(V[:, :T]) * enter.to(V.dtype)
-        if cached and T == 1 and not torch.is_grad_enabled():
-            o_lin, new_state = _decode_step(q, k_in, with_ones(v_in), g, scale, state, cfg.gla_backend)
-        else:
-            o_lin, new_state = chunk_gla(q, k_in, v_in, g, scale=scale, initial_state=state,
-                                         output_final_state=cached, backend=cfg.gla_backend, normalizer=True)
-        after = _advance_buffers(buf, K, V, FK, P, k_s, v_r, pos, W, S)
-        # the sinks among the new tokens count too (each only for queries W or more later)
-        o_win, lse = _window_over_buffer(q_r, q_s, K, V, P, after, pos, W, self.head_dim ** -0.5, memory=memory)
-        if M:
-            after.update(tk=TK[:, -W:] if T == 1 else TK[:, -W:].clone(),
-                         **{n: memory[n] for n in ("mk", "mv", "mfk", "mg", "mpos")})
-        return self._combine(o_win, lse, o_lin), after, new_state
+            cache.set_window_buffers(self.layer_idx, buffers)
+        return o
 
     def _combine(self, o_win, lse, o_lin):
         """One output from the window's (o_win normalised, lse) and the state's (num, den):
-        window_torch.window_mix_torch says how; one Triton kernel each way on CUDA."""
+        the window_mix op says how; one Triton kernel each way on CUDA."""
         return window_mix(o_win, lse, o_lin, self.window_mix(), shared=self.config.window_mix == "shared",
                           eps=self.config.normalizer_eps, backend=self.config.gla_backend)
 
@@ -456,81 +391,6 @@ def sink_rotation(config):
     angle = torch.cat([angle, angle.new_zeros(half - angle.numel())]) if angle.numel() < half else angle
     angle = torch.cat([angle, angle])
     return angle.cos() * scaling ** 2, -angle.sin() * scaling ** 2
-
-
-def empty_window_buffers(B, W, S, k_r, fk, M=0):
-    """The window and sink buffers of a cache before any token: every position -1. Keys: the
-    last W tokens' rotated keys, values, feature-mapped keys and positions (k, v, fk, pos) and
-    the S sinks' turned keys (_exact_inputs), values and positions (sk, sv, spos). With a
-    sparse cache of M tokens also the window's turned keys (tk) and the cache's
-    turned keys, values, feature-mapped keys, log-decays since each would have entered the
-    state (float32) and positions (mk, mv, mfk, mg, mpos)."""
-    bufs = {"k": k_r.new_zeros(B, W, *k_r.shape[2:]), "v": k_r.new_zeros(B, W, *k_r.shape[2:]),
-            "fk": fk.new_zeros(B, W, *fk.shape[2:]), "pos": torch.full((B, W), -1, device=k_r.device),
-            "sk": k_r.new_zeros(B, S, *k_r.shape[2:]), "sv": k_r.new_zeros(B, S, *k_r.shape[2:]),
-            "spos": torch.full((B, S), -1, device=k_r.device)}
-    if M:
-        bufs.update(tk=k_r.new_zeros(B, W, *k_r.shape[2:]),
-                    mk=k_r.new_zeros(B, M, *k_r.shape[2:]), mv=k_r.new_zeros(B, M, *k_r.shape[2:]),
-                    mfk=fk.new_zeros(B, M, *fk.shape[2:]),
-                    mg=torch.zeros(B, M, *fk.shape[2:], device=k_r.device),
-                    mpos=torch.full((B, M, k_r.shape[2]), -1, device=k_r.device))
-    return bufs
-
-
-# A sparse cache chooses what it keeps once per this many new tokens: every key leaving the
-# window within a block is scored against the state as it stood at the block's start.
-SPARSE_BLOCK = 64
-
-
-def _sparse_select(buf, state, fk, v, tk, p, g, S, rep):
-    """Which tokens a sparse cache keeps (after LoLA, arXiv 2505.23666): the cache's own and
-    those leaving the window in this block compete, and the M that the state recalls worst
-    (largest ||v - S^T phi(k) / z^T phi(k)||^2 with every candidate in S, averaged over the
-    layer's state heads) stay out of the state in every KV head, attended exactly as sinks
-    are (_window_over_buffer). Keys like many others, such as repeated text, go into
-    the state; a key unlike the rest, such as a number stated once, stays exact. A cache key
-    that loses enters the state now with the decay it would have had since its own step.
-    Returns (kept [B, T, Hkv] for the leaving rows, the cache for this block and after it,
-    the state with the evicted keys added). rep: a KV-head tensor [B, N, Hkv, ...] repeated over
-    each KV head's state heads (GLAAttention._per_state_head). Fixed shapes: a decode step
-    stays capturable."""
-    B, T, Hs, F = fk.shape
-    Hkv = v.shape[2]
-    M = buf["mpos"].shape[1]
-    c_fk = torch.cat([buf["mfk"], fk], 1)                                          # [B, M + T, Hs, F]
-    c_v = torch.cat([buf["mv"], v], 1)                                             # [B, M + T, Hkv, D]
-    c_pos = torch.cat([buf["mpos"], p[:, :, None].expand(B, T, Hkv)], 1)           # [B, M + T, Hkv]
-    if state is None:
-        state = torch.zeros(B, Hs, F, v.shape[-1] + 1, device=v.device)
-    ok = c_pos >= S                                                                # never a sink, pad or none
-    vs = with_ones(rep(c_v).float())
-    # Self-recall: each candidate is read back from the state with every candidate in it (the
-    # cache's keys decayed as they would be, this block's at full weight), so a key like many
-    # others is recalled well and a key unlike the rest poorly, even while the state is empty.
-    c_w = torch.cat([buf["mg"].exp(), torch.ones_like(fk, dtype=torch.float32)], 1) * rep(ok)[..., None]
-    full = state + torch.einsum("bchf,bchd->bhfd", c_fk.float() * c_w, vs)
-    pred = torch.einsum("bchf,bhfd->bchd", c_fk.float(), full)
-    miss = ((vs[..., :-1] - pred[..., :-1] / pred[..., -1:].clamp_min(1e-6)) ** 2).sum(-1)
-    # One choice per token for all of the layer's KV heads, so each head holds every token the
-    # cache keeps (choices per head would keep different digits of a number in each head)
-    score = miss.mean(-1).masked_fill(~ok[..., 0], -math.inf)                       # [B, M + T]
-    top, idx = (t[..., None].expand(B, M, Hkv) for t in score.topk(M, dim=1))      # [B, M, Hkv]
-    live = top > -math.inf
-    kept = torch.zeros_like(ok).scatter(1, idx, live)                              # [B, M + T, Hkv]
-    # cache keys that lose go into the state; row t of this block would enter at step t
-    out = rep(ok[:, :M] & ~kept[:, :M])                                            # [B, M, Hs]
-    state = state + torch.einsum("bmhf,bmhd->bhfd", c_fk[:, :M].float() * (c_w[:, :M] * out[..., None]), vs[:, :M])
-    cum = g.float().cumsum(1)                                                      # [B, T, Hs, F]
-    c_g = torch.cat([buf["mg"] + cum[:, -1:], cum[:, -1:] - cum], 1)                # decay to the block's end
-    idx_s = rep(idx)
-    pick = lambda t, i: t.gather(1, i[..., None].expand(-1, -1, -1, t.shape[-1]))  # noqa: E731
-    memory = {"mk": pick(torch.cat([buf["mk"], tk], 1), idx), "mv": pick(c_v, idx),
-              "mfk": pick(c_fk, idx_s), "mg": pick(c_g, idx_s),
-              "mpos": torch.where(live, c_pos.gather(1, idx), -1),
-              # a key that joins in this block is seen from its own step on (it leaves the window then)
-              "from": torch.where(live, idx - M, -1)}
-    return kept[:, M:], memory, state
 
 
 def _enter_state(x, W, S, cu_seqlens):
@@ -550,152 +410,7 @@ def _enter_state(x, W, S, cu_seqlens):
     return F.pad(x[:, :T - W], pad + [W, 0]) * ok
 
 
-def _window_over_buffer(q_r, q_s, K, V, P, buf, pos, W, scale, block=256, memory=None):
-    """Exact softmax of the T new queries over their last W keys in K/V [B, W + T, Hkv, D]
-    (positions P, -1 = none, scored with the rotated queries q_r), over the sink buffer's
-    keys (the new tokens' included) that have left the query's window, and over a sparse
-    cache's keys (`memory`, _sparse_select; both scored with q_s): (o [B, T, H, D] in q's
-    dtype, lse [B, T, H] float32). Plain PyTorch, query blocks of `block`, so memory stays
-    O(block x (W + block))."""
-    B, T, H, D = q_r.shape
-    R = H // K.shape[2]
-    heads = lambda t: t.float().transpose(1, 2).repeat_interleave(R, 1)          # noqa: E731  [B, H, N, D]
-    spos = buf["spos"]
-    # keys scored with q_s, and which queries see each: the sinks once out of the query's
-    # window, a cache key from the step it left the window (its "from", -1 for older ones)
-    apart = []
-    if memory is not None:
-        seen = (memory["mpos"] >= 0)[..., None] & (memory["from"][..., None] <= torch.arange(T, device=q_r.device))
-        apart.append((heads(memory["mk"]), heads(memory["mv"]), seen.permute(0, 2, 3, 1).repeat_interleave(R, 1)))
-    if spos.shape[1]:
-        seen = (spos[:, None, :] >= 0) & (spos[:, None, :] <= pos[:, :, None] - W)                  # [B, T, S]
-        apart.append((heads(buf["sk"]), heads(buf["sv"]), seen[:, None]))
-    outs, lses = [], []
-    for a in range(0, T, block):
-        b = min(T, a + block)
-        qb = q_r[:, a:b].float().transpose(1, 2)                                  # [B, H, n, D]
-        kk = heads(K[:, a + 1:W + b])                                             # keys a+1 .. W+b-1
-        vv = heads(V[:, a + 1:W + b])
-        t = torch.arange(a, b, device=q_r.device)[:, None]
-        j = torch.arange(a + 1, W + b, device=q_r.device)[None, :]
-        in_window = (j >= t + 1) & (j <= W + t)                                    # [n, keys]
-        live = P[:, a + 1:W + b] >= 0                                              # [B, keys]
-        allowed = in_window[None] & (live[:, None, :] | (j == W + t)[None])        # a query sees itself
-        s = scale * qb @ kk.transpose(-1, -2)
-        s = s.masked_fill(~allowed[:, None], float("-inf"))
-        if apart:
-            qs = q_s[:, a:b].float().transpose(1, 2)
-            s = torch.cat([(scale * qs @ ka.transpose(-1, -2)).masked_fill(~seen[:, :, a:b], float("-inf"))
-                           for ka, _, seen in apart] + [s], -1)
-            vv = torch.cat([va for _, va, _ in apart] + [vv], -2)
-        lse = torch.logsumexp(s, -1)                                               # [B, H, n]
-        outs.append((torch.exp(s - lse[..., None]) @ vv).transpose(1, 2))
-        lses.append(lse.transpose(1, 2))
-    return torch.cat(outs, 1).to(q_r.dtype), torch.cat(lses, 1)
-
-
-def _advance_buffers(buf, K, V, FK, P, k_s, v_r, pos, W, S):
-    """The buffers after the new tokens: the last W of the concatenation, and the sinks among
-    the new tokens (keys k_s, as _exact_inputs turns them) written into their slots. After
-    several new tokens the last W rows are copied, since a view would keep a whole prefill's
-    keys alive; after one (a decode step) a view holds a single row more, and saves a copy."""
-    last = (lambda t: t[:, -W:]) if K.shape[1] == W + 1 else (lambda t: t[:, -W:].clone())
-    new = {"k": last(K), "v": last(V), "fk": last(FK), "pos": last(P)}
-    if S:
-        hit = pos[:, :, None] == torch.arange(S, device=pos.device)                   # [B, T, S]
-        got = hit.any(1)                                                               # [B, S]
-        hitf = hit.to(k_s.dtype)
-        new["sk"] = torch.where(got[:, :, None, None], torch.einsum("bts,bthd->bshd", hitf, k_s), buf["sk"])
-        new["sv"] = torch.where(got[:, :, None, None], torch.einsum("bts,bthd->bshd", hitf, v_r), buf["sv"])
-        new["spos"] = torch.where(got, torch.arange(S, device=pos.device).expand_as(got), buf["spos"])
-    else:
-        new.update(sk=buf["sk"], sv=buf["sv"], spos=buf["spos"])
-    return new
-
-
-def _decode_step(q, k, v, g, scale, state, backend):
-    """One token of generation: (o [B, 1, H, V], new state [B, Hkv, K, V] float32).
-
-    The Triton kernel on CUDA (one launch); elsewhere a few batched tensor ops, since the
-    reference recurrence in gla_torch loops over the batch in Python. Same maths as
-    `recurrent_gla`: S = diag(exp(g)) S + k^T v, o = scale * q S.
-    """
-    if backend == "triton" or (backend == "auto" and HAS_TRITON and q.is_cuda):
-        return recurrent_gla(q, k, v, g, scale=scale, initial_state=state, output_final_state=True,
-                             backend=backend)
-    B, _, H, K = q.shape
-    Hkv, V = k.shape[2], v.shape[-1]
-    k1, v1, g1 = k[:, 0].float(), v[:, 0].float(), g[:, 0].float()          # [B, Hkv, K or V]
-    S = k1[..., :, None] * v1[..., None, :]
-    if state is not None:
-        S = torch.addcmul(S, g1.exp()[..., None], state)
-    o = torch.matmul(q[:, 0].float().view(B, Hkv, H // Hkv, K), S) * scale  # [B, Hkv, R, V]
-    return o.reshape(B, 1, H, V).to(q.dtype), S
-
-
-def _logit_for_decay(decay, normalizer):
+def logit_for_decay(decay, normalizer):
     """The pre-sigmoid value b with exp(logsigmoid(b) / normalizer) = decay."""
     p = decay ** normalizer
     return math.log(p / (1.0 - p))
-
-
-try:
-    from torch.nn.attention.varlen import varlen_attn as _varlen_attn
-    import inspect as _inspect
-    _VARLEN_ARGS = set(_inspect.signature(_varlen_attn).parameters)
-except (ImportError, AttributeError, TypeError, ValueError):
-    _varlen_attn, _VARLEN_ARGS = None, set()
-
-
-def _varlen_ok(q, T, sliding_window):
-    """Whether torch's flash varlen kernel can take this teacher attention: CUDA, fp16/bf16,
-    an Ampere or newer GPU, head dim a multiple of 8 up to 256, no sliding window in reach."""
-    return (_varlen_attn is not None and q.is_cuda and q.dtype in (torch.float16, torch.bfloat16)
-            and q.shape[-1] % 8 == 0 and q.shape[-1] <= 256 and not (sliding_window and T > sliding_window)
-            and _cuda_major(q.device.index) >= 8)
-
-
-@functools.lru_cache(maxsize=None)
-def _cuda_major(index):
-    return torch.cuda.get_device_capability(index)[0]
-
-
-def _varlen_causal(q, k, v, cu_seqlens, T, scale):
-    """Causal softmax attention inside each document of q, k, v [B, T, heads, D], the
-    documents given by cu_seqlens over the flattened B*T tokens: [B*T, H, D]. max_q = T
-    bounds every document (none crosses a row), so the host never reads cu_seqlens."""
-    B, H, Hkv, D = q.shape[0], q.shape[2], k.shape[2], q.shape[3]
-    q, k, v = (t.reshape(B * T, t.shape[2], D) for t in (q, k, v))
-    extra = {}
-    if Hkv != H:
-        if "enable_gqa" in _VARLEN_ARGS:
-            extra["enable_gqa"] = True
-        else:
-            k, v = k.repeat_interleave(H // Hkv, dim=1), v.repeat_interleave(H // Hkv, dim=1)
-    if "window_size" in _VARLEN_ARGS:
-        extra["window_size"] = (-1, 0)
-    else:
-        extra["is_causal"] = True
-    cu = cu_seqlens.to(device=q.device, dtype=torch.int32)
-    return _varlen_attn(q.contiguous(), k.contiguous(), v.contiguous(), cu, cu, T, T, scale=scale, **extra)
-
-
-def _softmax_mask(B, T, device, attention_mask, cu_seqlens, sliding_window):
-    """A boolean [B or 1, 1, T, T] mask where plain causal attention is not enough, else None."""
-    if attention_mask is None and cu_seqlens is None and not (sliding_window and T > sliding_window):
-        return None
-    i = torch.arange(T, device=device)
-    allowed = i[:, None] >= i[None, :]
-    if sliding_window and T > sliding_window:
-        allowed = allowed & (i[:, None] - i[None, :] < sliding_window)
-    allowed = allowed[None, None]
-    if cu_seqlens is not None:  # documents packed into the B x T blocks (flattened offsets)
-        flat = torch.arange(B * T, device=device)
-        doc = torch.bucketize(flat, cu_seqlens[1:-1].to(device=device, dtype=torch.long), right=True).view(B, T)
-        allowed = allowed & (doc[:, :, None] == doc[:, None, :])[:, None]
-    if attention_mask is not None and attention_mask.dim() == 2:
-        keep = attention_mask[:, -T:].bool()
-        allowed = allowed & keep[:, None, None, :]
-        # A fully padded query row would give NaN; let it see itself (its output is unused).
-        allowed = allowed | torch.eye(T, dtype=torch.bool, device=device)[None, None]
-    return allowed

@@ -15,6 +15,7 @@ import dataclasses
 import re
 import warnings
 from contextlib import contextmanager
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -95,7 +96,7 @@ class GLASwapCache(Cache):
     """Recurrent state per layer ([B, state heads, K, V] float32; the state heads are the KV
     heads unless state_heads="query"), the number of tokens seen and, for hybrid layers
     (config.window), a fixed-size buffer per layer: the last `window` tokens' keys and values
-    and the first `sinks` tokens' (gla_attention.empty_window_buffers).
+    and the first `sinks` tokens' (hybrid_cache.HybridBuffers).
 
     Neither grows with the context: this is the whole cache. transformers'
     `Cache.get_seq_length()` raises when every layer is linear, so the count is kept here.
@@ -126,7 +127,7 @@ class GLASwapCache(Cache):
     def _map_batch(self, fn):
         """Apply fn to every per-row tensor (the batch is dimension 0 of each)."""
         self.states = [fn(s) if s is not None else None for s in self.states]
-        self.windows = [{k: fn(t) for k, t in w.items()} if w is not None else None for w in self.windows]
+        self.windows = [w.map(fn) if w is not None else None for w in self.windows]
 
     def get_seq_length(self, layer_idx=0):
         return self.seen_tokens
@@ -210,18 +211,16 @@ class DecoderLayer(nn.Module):
 
     def forward(self, hidden_states, position_embeddings, attention_mask=None, past_key_values=None,
                 cu_seqlens=None, position_ids=None):
+        """(hidden states, the attention's transfer loss or None). In "transfer" mode the loss
+        leaves through the layer's output, so wrappers that hook module outputs (FSDP's
+        backward hooks) see the gradient that flows back."""
         residual = hidden_states
-        h, _ = self.self_attn(self.input_layernorm(hidden_states), position_embeddings=position_embeddings,
-                              attention_mask=attention_mask, past_key_values=past_key_values,
-                              cu_seqlens=cu_seqlens, position_ids=position_ids)
+        h, transfer_loss = self.self_attn(self.input_layernorm(hidden_states), position_embeddings=position_embeddings,
+                                          attention_mask=attention_mask, past_key_values=past_key_values,
+                                          cu_seqlens=cu_seqlens, position_ids=position_ids)
         hidden_states = residual + h
         hidden_states = hidden_states + self.mlp(self.post_attention_layernorm(hidden_states))
-        if self.self_attn.transfer:
-            # Attention transfer: the layer's loss leaves through its output, so wrappers that
-            # hook module outputs (FSDP's backward hooks) see the gradient that flows back.
-            loss, self.self_attn.transfer_loss = self.self_attn.transfer_loss, None
-            return hidden_states, loss
-        return hidden_states
+        return hidden_states, transfer_loss
 
 
 def positions_from_cu_seqlens(cu_seqlens, B, T, device):
@@ -321,8 +320,8 @@ class GLASwapModel(GLASwapPreTrainedModel):
             else:
                 hidden_states = layer(hidden_states, position_embeddings, attention_mask, past_key_values,
                                       cu_seqlens, position_ids)
-            if isinstance(hidden_states, tuple):  # attention transfer: (hidden, this layer's loss)
-                hidden_states, loss = hidden_states
+            hidden_states, loss = hidden_states
+            if loss is not None:   # "transfer" mode
                 transfer_losses.append(loss)
         if past_key_values is not None:
             past_key_values.seen_tokens += T
@@ -330,6 +329,27 @@ class GLASwapModel(GLASwapPreTrainedModel):
         if transfer_losses:
             out.transfer_losses = transfer_losses
         return out
+
+
+class DecodeRunner(Protocol):
+    """A fast path GLASwapForCausalLM.forward hands calls to (`model.decode_runner`), such as a
+    captured CUDA graph of the whole step. The model asks first, then hands over; a runner that
+    takes a call must leave `cache` as the eager forward would (states, buffers, seen_tokens)."""
+
+    def accepts(self, input_ids, inputs_embeds, cache) -> bool:
+        """Whether it can serve this call as one decode step (one new token per row)."""
+
+    def step(self, input_ids, position_ids, cache) -> torch.Tensor | None:
+        """Logits [B, 1, vocab], advancing `cache` by one token; None, cache untouched, to
+        have the model run the step eagerly."""
+
+    def accepts_prefill(self, input_ids, inputs_embeds, attention_mask, cache) -> bool:
+        """Whether it can read this prompt into `cache` (a new GLASwapCache when none was given)."""
+
+    def prefill(self, input_ids, position_ids, cache, logits_to_keep=0) -> torch.Tensor | None:
+        """The last hidden states [B, rows, hidden] (at least the last `logits_to_keep` rows, an
+        int above 0; else all), advancing `cache` over the prompt; None, cache untouched, to
+        have the model read it eagerly."""
 
 
 class GLASwapForCausalLM(GLASwapPreTrainedModel, GenerationMixin):
@@ -340,14 +360,14 @@ class GLASwapForCausalLM(GLASwapPreTrainedModel, GenerationMixin):
         self.model = GLASwapModel(config)
         self.vocab_size = config.vocab_size
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-        # Optional fast path for single-token decode steps (a CUDA graph of the whole step) and
-        # a sparse cache's prompt blocks, installed by glaswap.generate.enable_decode_graph;
-        # None runs the eager path.
-        self.decode_runner = None
+        # A DecodeRunner (below) that serves the calls it can, such as glaswap's CUDA-graph
+        # runner; None runs every call eagerly.
+        self.decode_runner: DecodeRunner | None = None
         self.post_init()
 
     def set_attention_mode(self, mode):
-        """'gla' (the student) or 'softmax' (the teacher, from the same weights)."""
+        """'gla' (the student), 'softmax' (the teacher, from the same weights) or 'transfer'
+        (the teacher's outputs, each layer's GLA distance to them in `transfer_losses`)."""
         if mode not in MODES:
             raise ValueError(f"unknown attention mode {mode!r}; choose one of {', '.join(MODES)}")
         for layer in self.model.layers:

@@ -6,6 +6,8 @@ else. Both forms take and return the same shapes; see `gla_torch` for the contra
 `window_attention` (exact softmax over a sliding window plus sinks) and `window_mix` (its
 combination with the GLA state's output) dispatch the same way; see `window_torch` for their
 contracts. So does `rope`, the teacher's rotation of q and k for the window part.
+`decode_step` (one generated token for a batch) and `window_over_buffer` (the window part
+of a cached hybrid layer's new tokens) are the hybrid cache's two steps.
 """
 
 from __future__ import annotations
@@ -14,8 +16,8 @@ import os
 
 import torch
 
-from .gla_torch import apply_rope, chunk_gla_torch, feature_map_torch, recurrent_gla_torch
-from .window_torch import check_window_inputs, window_attention_torch, window_mix_torch
+from .gla_torch import apply_rope, chunk_gla_torch, decode_step_torch, feature_map_torch, recurrent_gla_torch
+from .window_torch import check_window_inputs, window_attention_torch, window_mix_torch, window_over_buffer_torch
 
 try:  # Triton is optional: a saved model must load on machines without it.
     from .feature_map_triton import fused_feature_map
@@ -101,6 +103,30 @@ def recurrent_gla(q, k, v, g, scale=None, initial_state=None, output_final_state
                                    output_final_state=output_final_state)
     return recurrent_gla_torch(q, k, v, g, scale=scale, initial_state=initial_state,
                                output_final_state=output_final_state)
+
+
+def decode_step(q, k, v, g, scale, state=None, backend="auto"):
+    """One token of generation, q [B, 1, H, K]: (o [B, 1, H, V], new state [B, Hkv, K, V]
+    float32). The Triton recurrent kernel on CUDA (one launch); elsewhere a few batched tensor
+    ops (gla_torch.decode_step_torch): S = diag(exp(g)) S + k^T v, o = scale * q S."""
+    if q.shape[1] != 1 or k.shape[1] != 1:
+        raise ValueError(f"decode_step takes one token; got q {tuple(q.shape)}, k {tuple(k.shape)}")
+    if _use_triton(q, backend) and not (q.requires_grad or k.requires_grad or v.requires_grad):
+        return fused_recurrent_gla(q, k, v, g, scale=scale, initial_state=state, output_final_state=True)
+    return decode_step_torch(q, k, v, g, scale, state)
+
+
+def window_over_buffer(q_r, q_s, k, v, key_pos, sink_k, sink_v, sink_pos, pos, window, scale,
+                       mem_k=None, mem_v=None, mem_pos=None, mem_from=None, block=256):
+    """Exact softmax of a cached hybrid layer's new queries over its window buffer, sinks and
+    sparse cache: (o [B, T, H, D], lse [B, T, H] float32). The contract and the maths are
+    window_torch.window_over_buffer_torch's; it runs in PyTorch on every device, in query
+    blocks of `block`."""
+    if (mem_k is None) != (mem_from is None) or k.shape[1] != window + q_r.shape[1]:
+        raise ValueError(f"window_over_buffer wants k [B, window + T, Hkv, D] and the sparse cache's four "
+                         f"tensors or none; got k {tuple(k.shape)}, window {window}, T {q_r.shape[1]}")
+    return window_over_buffer_torch(q_r, q_s, k, v, key_pos, sink_k, sink_v, sink_pos, pos, window, scale,
+                                    mem_k, mem_v, mem_pos, mem_from, block)
 
 
 def window_attention(q, k, v, window, sinks=0, scale=None, cu_seqlens=None, q_sink=None, k_sink=None,

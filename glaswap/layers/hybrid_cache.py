@@ -1,0 +1,269 @@
+"""What a hybrid layer keeps between calls, and how new tokens are read through it.
+
+A hybrid layer (config.window) attends exactly to each token's last W tokens and its
+document's first S tokens (the sinks); every older key reaches it through the GLA state,
+which it enters once it leaves the window. Reading with a cache (a prompt in one or more
+calls, decode steps), a layer keeps at a fixed size:
+- `WindowBuffer`: the last W tokens' rotated keys, values, feature-mapped keys, positions;
+- `SinkBuffer`: the S sinks' keys turned back by W steps (`ExactInputs`), values, positions;
+- `SparseBuffer` (config.sparse_cache = M): M older keys that the state recalls worst, kept
+  out of it and attended exactly, as the sinks are.
+Position -1 marks an empty slot or padding. `stream` reads new tokens after these buffers
+and a state, and returns the buffers and state after them.
+
+This file is copied into every saved model folder: it imports only torch and the GLA ops.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+
+import torch
+
+from glaswap_kernels.ops import chunk_gla, decode_step, window_over_buffer, with_ones
+
+# A sparse cache chooses what it keeps once per this many new tokens: every key leaving the
+# window within a block is scored against the state as it stood at the block's start.
+SPARSE_BLOCK = 64
+
+
+class TensorGroup:
+    """A dataclass of tensors (and of other groups): iterate, copy or map them all at once."""
+
+    def tensors(self) -> list[torch.Tensor]:
+        out = []
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if isinstance(value, TensorGroup):
+                out += value.tensors()
+            elif value is not None:
+                out.append(value)
+        return out
+
+    def map(self, fn):
+        """A group of the same shape with fn applied to every tensor."""
+        changed = {}
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            changed[f.name] = value.map(fn) if isinstance(value, TensorGroup) else \
+                None if value is None else fn(value)
+        return type(self)(**changed)
+
+    def copy_(self, other):
+        """Copy other's tensors into this group's, in place (same shapes)."""
+        for mine, theirs in zip(self.tensors(), other.tensors(), strict=True):
+            mine.copy_(theirs)
+
+
+@dataclass
+class WindowBuffer(TensorGroup):
+    keys: torch.Tensor                          # [B, W, Hkv, D] rotated
+    values: torch.Tensor                        # [B, W, Hkv, D]
+    feature_keys: torch.Tensor                  # [B, W, Hs, F] phi(k), what enters the state
+    positions: torch.Tensor                     # [B, W] long
+    turned_keys: torch.Tensor | None = None     # [B, W, Hkv, D] as the sparse cache scores them
+
+
+@dataclass
+class SinkBuffer(TensorGroup):
+    keys: torch.Tensor                          # [B, S, Hkv, D] turned back by W steps
+    values: torch.Tensor                        # [B, S, Hkv, D]
+    positions: torch.Tensor                     # [B, S] long
+
+
+@dataclass
+class SparseBuffer(TensorGroup):
+    keys: torch.Tensor                          # [B, M, Hkv, D] turned back by W steps
+    values: torch.Tensor                        # [B, M, Hkv, D]
+    feature_keys: torch.Tensor                  # [B, M, Hs, F]
+    log_decay: torch.Tensor                     # [B, M, Hs, F] float32, since each would have entered the state
+    positions: torch.Tensor                     # [B, M, Hkv] long
+
+
+@dataclass
+class HybridBuffers(TensorGroup):
+    window: WindowBuffer
+    sinks: SinkBuffer
+    sparse: SparseBuffer | None = None
+
+    @classmethod
+    def empty(cls, batch, window, sinks, sparse, keys_like, features_like):
+        """Buffers before any token. keys_like: a [.., .., Hkv, D] tensor of the keys' dtype and
+        device; features_like: a [.., .., Hs, F] tensor of phi(k)'s."""
+        dev = keys_like.device
+        kv = lambda n: keys_like.new_zeros(batch, n, *keys_like.shape[2:])       # noqa: E731
+        feats = lambda n: features_like.new_zeros(batch, n, *features_like.shape[2:])  # noqa: E731
+        none = lambda *shape: torch.full(shape, -1, device=dev)                 # noqa: E731
+        win = WindowBuffer(kv(window), kv(window), feats(window), none(batch, window),
+                           kv(window) if sparse else None)
+        sparse_buf = None
+        if sparse:
+            sparse_buf = SparseBuffer(kv(sparse), kv(sparse), feats(sparse),
+                                      torch.zeros(batch, sparse, *features_like.shape[2:], device=dev),
+                                      none(batch, sparse, keys_like.shape[2]))
+        return cls(win, SinkBuffer(kv(sinks), kv(sinks), none(batch, sinks)), sparse_buf)
+
+
+@dataclass
+class ExactInputs:
+    """What the exact softmax part reads: the teacher's rotated queries and keys and the values
+    for the window; for the sinks and the sparse cache the unrotated queries and the keys turned
+    back by W steps, since rope_i(q) . rope_(i-W)(k) = q . rope_(-W)(k) (None when unused)."""
+    q_rotated: torch.Tensor
+    k_rotated: torch.Tensor
+    values: torch.Tensor
+    q_plain: torch.Tensor | None
+    k_turned: torch.Tensor | None
+
+    def rows(self, part: slice) -> ExactInputs:
+        return ExactInputs(*(None if t is None else t[:, part] for t in
+                             (self.q_rotated, self.k_rotated, self.values, self.q_plain, self.k_turned)))
+
+
+@dataclass
+class StreamLayer:
+    """What `stream` needs from the layer that calls it."""
+    window: int
+    sinks: int
+    sparse: int                 # sparse-cache slots, 0 for none
+    scale: float                # the GLA part's query scale
+    softmax_scale: float        # the window's, the teacher's own
+    backend: str
+    per_state_head: object      # [B, N, Hkv, ...] -> [B, N, Hs, ...] (GLAAttention._per_state_head)
+    combine: object             # (o_win, lse, o_lin) -> o (GLAAttention._combine)
+
+
+def stream(layer: StreamLayer, q, k, v, g, exact: ExactInputs, pos, buffers: HybridBuffers, state, cached: bool):
+    """New tokens after `buffers` and `state`: (o [B, T, H, D], buffers after, state after).
+    q, k: feature-mapped; v, g: per state head; pos: [B, T] long, -1 for padding. With a sparse
+    cache the tokens go through in blocks of SPARSE_BLOCK, each choosing which keys leaving the
+    window the cache keeps (`sparse_select`)."""
+    T = q.shape[1]
+    step = SPARSE_BLOCK if layer.sparse else T
+    outs = []
+    for a in range(0, T, step):
+        part = slice(a, min(T, a + step))
+        o, buffers, state = _stream_block(layer, q[:, part], k[:, part], v[:, part], g[:, part],
+                                          exact.rows(part), pos[:, part], buffers, state, cached)
+        outs.append(o)
+    return (outs[0] if len(outs) == 1 else torch.cat(outs, 1)), buffers, state
+
+
+def _stream_block(layer, q, k, v, g, exact, pos, before, state, cached):
+    """One stretch of new tokens: (o, buffers after, state after)."""
+    W, S = layer.window, layer.sinks
+    T = q.shape[1]
+    win = before.window
+    keys = torch.cat([win.keys, exact.k_rotated], 1)                 # [B, W + T, Hkv, D]
+    values = torch.cat([win.values, exact.values], 1)
+    feature_keys = torch.cat([win.feature_keys, k], 1)
+    key_pos = torch.cat([win.positions, pos], 1)
+    # New step t takes into the state the key that leaves the window then: index t of the
+    # concatenation (W steps back), unless it is padding, empty or a sink (or, with a sparse
+    # cache, kept there).
+    enter = (key_pos[:, :T] >= S)[:, :, None]                          # [B, T, 1]
+    sparse, visible_from, turned = None, None, None
+    if layer.sparse:
+        turned = torch.cat([win.turned_keys, exact.k_turned], 1)
+        kept, sparse, visible_from, state = sparse_select(
+            before.sparse, state, feature_keys[:, :T], values[:, :T], turned[:, :T], key_pos[:, :T], g, S,
+            layer.per_state_head)
+        enter = enter & ~kept                                          # [B, T, Hkv]
+    enter = layer.per_state_head(enter[..., None])                     # [B, T, Hs or 1, 1]
+    k_in = feature_keys[:, :T] * enter.to(feature_keys.dtype)
+    v_in = layer.per_state_head(values[:, :T]) * enter.to(values.dtype)
+    if cached and T == 1 and not torch.is_grad_enabled():
+        o_lin, state = decode_step(q, k_in, with_ones(v_in), g, layer.scale, state, layer.backend)
+    else:
+        o_lin, state = chunk_gla(q, k_in, v_in, g, scale=layer.scale, initial_state=state,
+                                 output_final_state=cached, backend=layer.backend, normalizer=True)
+    after = HybridBuffers(_last_rows(keys, values, feature_keys, key_pos, turned, W),
+                          _sinks_after(before.sinks, exact, pos, S), sparse)
+    # the sinks among the new tokens count too (each only for queries W or more later)
+    o_win, lse = window_over_buffer(
+        exact.q_rotated, exact.q_plain, keys, values, key_pos, after.sinks.keys, after.sinks.values,
+        after.sinks.positions, pos, W, layer.softmax_scale,
+        *((sparse.keys, sparse.values, sparse.positions, visible_from) if sparse is not None else ()))
+    return layer.combine(o_win, lse, o_lin), after, state
+
+
+def _last_rows(keys, values, feature_keys, key_pos, turned, W):
+    """The window after the new tokens: the last W rows. After several new tokens they are
+    copied, since a view would keep a whole prefill's keys alive; after one (a decode step) a
+    view holds a single row more, and saves a copy."""
+    last = (lambda t: t[:, -W:]) if keys.shape[1] == W + 1 else (lambda t: t[:, -W:].clone())
+    return WindowBuffer(last(keys), last(values), last(feature_keys), last(key_pos),
+                        None if turned is None else last(turned))
+
+
+def _sinks_after(sinks: SinkBuffer, exact: ExactInputs, pos, S):
+    """The sink buffer with the sinks among the new tokens written into their slots."""
+    if not S:
+        return sinks
+    slots = torch.arange(S, device=pos.device)
+    hit = pos[:, :, None] == slots                                     # [B, T, S]
+    got = hit.any(1)                                                   # [B, S]
+    weights = hit.to(exact.k_turned.dtype)
+    keys = torch.einsum("bts,bthd->bshd", weights, exact.k_turned)
+    values = torch.einsum("bts,bthd->bshd", weights, exact.values)
+    return SinkBuffer(torch.where(got[:, :, None, None], keys, sinks.keys),
+                      torch.where(got[:, :, None, None], values, sinks.values),
+                      torch.where(got, slots.expand_as(got), sinks.positions))
+
+
+def sparse_select(cache: SparseBuffer, state, feature_keys, values, turned_keys, key_pos, g, S, per_state_head):
+    """Which tokens a sparse cache keeps (after LoLA, arXiv 2505.23666). The cache's own keys and
+    those leaving the window in this block compete, and the M that the state recalls worst
+    (largest ||v - S^T phi(k) / z^T phi(k)||^2 with every candidate in S, averaged over the
+    layer's state heads) stay out of the state in every KV head, attended exactly as sinks
+    are. Keys like many others, such as repeated text, go into the state; a key unlike the
+    rest, such as a number stated once, stays exact. A cache key that loses enters the state
+    now with the decay it would have had since its own step.
+
+    Returns (kept [B, T, Hkv] for the leaving rows, the cache after this block, visible_from
+    [B, M, Hkv]: the block row from which each kept key is attended (negative: from before the
+    block, -1 for an empty slot), the state with the evicted keys added). Fixed shapes: a decode
+    step stays capturable."""
+    B, T, Hs, F = feature_keys.shape
+    Hkv = values.shape[2]
+    M = cache.positions.shape[1]
+    cand_fk = torch.cat([cache.feature_keys, feature_keys], 1)                      # [B, M + T, Hs, F]
+    cand_v = torch.cat([cache.values, values], 1)                                   # [B, M + T, Hkv, D]
+    cand_pos = torch.cat([cache.positions, key_pos[:, :, None].expand(B, T, Hkv)], 1)   # [B, M + T, Hkv]
+    if state is None:
+        state = torch.zeros(B, Hs, F, values.shape[-1] + 1, device=values.device)
+    ok = cand_pos >= S                                                             # never a sink, pad or none
+    vs = with_ones(per_state_head(cand_v).float())
+    # Self-recall: each candidate is read back from the state with every candidate in it (the
+    # cache's keys decayed as they would be, this block's at full weight), so a key like many
+    # others is recalled well and a key unlike the rest poorly, even while the state is empty.
+    weight = torch.cat([cache.log_decay.exp(), torch.ones_like(feature_keys, dtype=torch.float32)], 1) \
+        * per_state_head(ok)[..., None]
+    full = state + torch.einsum("bchf,bchd->bhfd", cand_fk.float() * weight, vs)
+    pred = torch.einsum("bchf,bhfd->bchd", cand_fk.float(), full)
+    miss = ((vs[..., :-1] - pred[..., :-1] / pred[..., -1:].clamp_min(1e-6)) ** 2).sum(-1)
+    # One choice per token for all of the layer's KV heads, so each head holds every token the
+    # cache keeps (choices per head would keep different digits of a number in each head)
+    score = miss.mean(-1).masked_fill(~ok[..., 0], -math.inf)                       # [B, M + T]
+    top, idx = (t[..., None].expand(B, M, Hkv) for t in score.topk(M, dim=1))      # [B, M, Hkv]
+    live = top > -math.inf
+    kept = torch.zeros_like(ok).scatter(1, idx, live)                              # [B, M + T, Hkv]
+    # cache keys that lose go into the state; row t of this block would enter at step t
+    evicted = per_state_head(ok[:, :M] & ~kept[:, :M])                            # [B, M, Hs]
+    state = state + torch.einsum("bmhf,bmhd->bhfd",
+                                 cand_fk[:, :M].float() * (weight[:, :M] * evicted[..., None]), vs[:, :M])
+    cum = g.float().cumsum(1)                                                      # [B, T, Hs, F]
+    cand_decay = torch.cat([cache.log_decay + cum[:, -1:], cum[:, -1:] - cum], 1)  # decay to the block's end
+    idx_state = per_state_head(idx)
+
+    def pick(t, i):
+        return t.gather(1, i[..., None].expand(-1, -1, -1, t.shape[-1]))
+
+    after = SparseBuffer(pick(torch.cat([cache.keys, turned_keys], 1), idx), pick(cand_v, idx),
+                         pick(cand_fk, idx_state), pick(cand_decay, idx_state),
+                         torch.where(live, cand_pos.gather(1, idx), -1))
+    # a key that joins in this block is seen from its own step on (it leaves the window then)
+    visible_from = torch.where(live, idx - M, -1)
+    return kept[:, M:], after, visible_from, state
