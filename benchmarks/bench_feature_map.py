@@ -15,7 +15,7 @@ import triton
 
 from glaswap_kernels import feature_map_triton
 from glaswap_kernels.feature_map_triton import fused_feature_map
-from glaswap_kernels.gla_torch import feature_map_torch
+from glaswap_kernels.gla.reference import feature_map_torch
 
 SHAPES = [  # (name, B, T, H, D)
     ("1B q   8x2048 H32 D64", 8, 2048, 32, 64),

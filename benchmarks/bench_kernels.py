@@ -64,7 +64,7 @@ def kernel_modules(*names):
 
 
 def _import_kernels():
-    return kernel_modules("gla_torch", "gla_triton")
+    return kernel_modules("gla.reference", "gla.chunk")
 
 
 # ----------------------------------------------------------------------------------------

@@ -29,7 +29,7 @@ DRY_RUN = False
 
 
 def _import_kernels():
-    return kernel_modules("ops", "window_torch", "window_triton")
+    return kernel_modules("ops", "window.reference", "window.triton")
 
 
 def shapes():

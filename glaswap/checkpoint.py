@@ -340,23 +340,25 @@ def _open_modes(folder: Path):
 
 # --------------------------------------------------------------------------- model code
 _PKG = Path(__file__).resolve().parent
-# (file to copy, name in the saved folder). Kernels first: the layer imports them.
+# (file to copy, name in the saved folder). Kernels first: the layer imports them. The saved
+# folder is flat: a kernel file of an op's subpackage gets the op's name in front
+# (glaswap_kernels/gla/chunk_fwd.py -> gla_chunk_fwd.py), and every name is unique.
 CODE_FILES = [
-    ("glaswap_kernels/gla_torch.py", "gla_torch.py"),
-    ("glaswap_kernels/triton_helpers.py", "triton_helpers.py"),
-    ("glaswap_kernels/gla_scores.py", "gla_scores.py"),
-    ("glaswap_kernels/gla_chunk_fwd.py", "gla_chunk_fwd.py"),
-    ("glaswap_kernels/gla_chunk_bwd.py", "gla_chunk_bwd.py"),
-    ("glaswap_kernels/gla_state.py", "gla_state.py"),
-    ("glaswap_kernels/gla_recurrent.py", "gla_recurrent.py"),
-    ("glaswap_kernels/gla_launch.py", "gla_launch.py"),
-    ("glaswap_kernels/gla_triton.py", "gla_triton.py"),
+    ("glaswap_kernels/utils.py", "kernel_utils.py"),
+    ("glaswap_kernels/gla/reference.py", "gla_reference.py"),
+    ("glaswap_kernels/gla/scores.py", "gla_scores.py"),
+    ("glaswap_kernels/gla/chunk_fwd.py", "gla_chunk_fwd.py"),
+    ("glaswap_kernels/gla/chunk_bwd.py", "gla_chunk_bwd.py"),
+    ("glaswap_kernels/gla/state.py", "gla_state.py"),
+    ("glaswap_kernels/gla/recurrent.py", "gla_recurrent.py"),
+    ("glaswap_kernels/gla/launch.py", "gla_launch.py"),
+    ("glaswap_kernels/gla/chunk.py", "gla_chunk.py"),
     ("glaswap_kernels/feature_map_triton.py", "feature_map_triton.py"),
     ("glaswap_kernels/normalizer_triton.py", "normalizer_triton.py"),
     ("glaswap_kernels/gate_triton.py", "gate_triton.py"),
-    ("glaswap_kernels/window_torch.py", "window_torch.py"),
-    ("glaswap_kernels/window_triton.py", "window_triton.py"),
-    ("glaswap_kernels/window_mix_triton.py", "window_mix_triton.py"),
+    ("glaswap_kernels/window/reference.py", "window_reference.py"),
+    ("glaswap_kernels/window/triton.py", "window_triton.py"),
+    ("glaswap_kernels/window/mix.py", "window_mix.py"),
     ("glaswap_kernels/rope_triton.py", "rope_triton.py"),
     ("glaswap_kernels/ops.py", "ops.py"),
     ("glaswap/layers/softmax_attention.py", "softmax_attention.py"),
@@ -366,8 +368,45 @@ CODE_FILES = [
     ("glaswap/models/modeling_glaswap.py", "modeling_glaswap.py"),
 ]
 # Kernels that only training runs (stage 2's vocabulary loss): saved folders go without them.
-TRAINING_ONLY_KERNELS = {"kd_loss_triton.py"}
-_IMPORT = re.compile(r"^from (glaswap_kernels|glaswap\.layers|glaswap\.models)\.(\w+) import", re.MULTILINE)
+TRAINING_ONLY_KERNELS = {"glaswap_kernels/kd_loss_triton.py"}
+# A `from X import` line (indented too: the Triton imports sit in try blocks). X is absolute
+# (glaswap_kernels.gla.chunk) or relative (.launch, ..utils, .gla.reference).
+_IMPORT = re.compile(r"^(?P<indent>[ \t]*)from[ \t]+(?P<dots>\.*)(?P<name>[\w.]*)[ \t]+import\b", re.MULTILINE)
+
+
+def _module(rel):
+    """glaswap_kernels/gla/chunk.py -> glaswap_kernels.gla.chunk."""
+    return rel[:-len(".py")].replace("/", ".")
+
+
+# every copied module by its dotted name -> its module name in the saved folder
+_FLAT = {_module(rel): name[:-len(".py")] for rel, name in CODE_FILES}
+
+
+def _flat_imports(rel, text):
+    """text (the source of CODE_FILES entry rel) with every import of glaswap's modules, absolute
+    or relative to rel's package, turned into `from .<name in the saved folder> import`. An
+    import of one of them that is not copied is an error: the saved folder would not load."""
+    package = _module(rel).split(".")[:-1]
+
+    def flat(m):
+        dots, name = m.group("dots"), m.group("name")
+        if dots:
+            up = len(dots) - 1
+            if not name or up >= len(package):
+                raise ValueError(f"{rel}: `{m.group(0).strip()}` names no module the saved folder can hold")
+            target = ".".join(package[:len(package) - up] + name.split("."))
+        elif name.split(".")[0] in ("glaswap", "glaswap_kernels"):
+            target = name
+        else:
+            return m.group(0)                   # torch, triton, transformers, ...
+        if target not in _FLAT:
+            raise ValueError(f"{rel} imports {target}, which saved model folders do not copy "
+                             f"(glaswap.checkpoint.CODE_FILES)")
+        return f"{m.group('indent')}from .{_FLAT[target]} import"
+
+    return _IMPORT.sub(flat, text)
+
 
 AUTO_MAP = {
     "AutoConfig": "configuration_glaswap.GLASwapConfig",
@@ -386,13 +425,14 @@ def _package_file(rel):
 
 
 def write_model_code(folder: Path):
-    """Copy the modeling files into `folder`, turning glaswap's imports into relative ones."""
+    """Copy the modeling files into `folder`, flat, turning glaswap's imports into imports of
+    the copied siblings (`from .gla_chunk import ...`)."""
     written = []
     for rel, name in CODE_FILES:
         src = _package_file(rel)
         if not src.is_file():
             continue  # the kernel files may be absent in a source checkout without kernels
-        text = _IMPORT.sub(lambda m: f"from .{m.group(2)} import", src.read_text())
+        text = _flat_imports(rel, src.read_text())
         (folder / name).write_text(text)
         written.append(name)
     return written

@@ -2,7 +2,7 @@
 
     phi(x) = softmax(rope(x) W_h)     over the head dimension, one D x D matrix W_h per head
 
-It is what `gla_torch.feature_map_torch` computes (the Hedgehog map of LoLCATs; W = identity
+It is what `gla.reference.feature_map_torch` computes (the Hedgehog map of LoLCATs; W = identity
 gives the plain softmax map), in one pass over x forward and one backward. With pm=True it
 writes [softmax(rope(x) W_h), softmax(-rope(x) W_h)] (2D wide, the hedgehog_pm map) from the
 same product rope(x) W_h: one kernel, one x read and one dW for both halves instead of two
@@ -29,8 +29,8 @@ try:
 except ImportError:
     raise
 
-# The output buffers are NaN-filled when triton_helpers.POISON is set (tests).
-from .triton_helpers import _cdiv, _mm, _new, _next_pow2
+# The output buffers are NaN-filled when utils.POISON is set (tests).
+from .utils import _cdiv, _mm, _new, _next_pow2
 
 # Launch settings (benchmarks/bench_feature_map.py --set KEY=VALUE tries others): BN rows
 # per block; warps; stages, the software pipelining depth (1 keeps float32 D = 128 within

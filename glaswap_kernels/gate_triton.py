@@ -28,7 +28,7 @@ try:
 except ImportError:
     raise
 
-from .triton_helpers import _cdiv, _new, _next_pow2  # _new: NaN-filled under POISON
+from .utils import _cdiv, _new, _next_pow2  # _new: NaN-filled under POISON
 
 _ROWS = 64
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)

@@ -28,7 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton_helpers import _new
+from .utils import _new
 
 _LOG2E = 1.4426950408889634
 _BLOCK = 4096      # columns of a row per step; V = 128256 takes 32 steps a pass

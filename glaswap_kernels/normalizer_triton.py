@@ -26,8 +26,8 @@ try:
 except ImportError:
     raise
 
-from .gla_launch import _row_stride, _state_stride
-from .triton_helpers import _cdiv, _new, _next_pow2  # _new: NaN under POISON
+from .gla.launch import _row_stride, _state_stride
+from .utils import _cdiv, _new, _next_pow2  # _new: NaN under POISON
 
 _ROWS = 64
 

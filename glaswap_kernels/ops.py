@@ -2,9 +2,9 @@
 
 `chunk_gla` (prefill and training) and `recurrent_gla` (token-by-token, for generation)
 run glaswap's Triton kernels on CUDA when Triton imports, and the PyTorch forms everywhere
-else. Both forms take and return the same shapes; see `gla_torch` for the contract.
+else. Both forms take and return the same shapes; see `gla.reference` for the contract.
 `window_attention` (exact softmax over a sliding window plus sinks) and `window_mix` (its
-combination with the GLA state's output) dispatch the same way; see `window_torch` for their
+combination with the GLA state's output) dispatch the same way; see `window.reference` for their
 contracts. So does `rope`, the teacher's rotation of q and k for the window part.
 `decode_step` (one generated token for a batch) and `window_over_buffer` (the window part
 of a cached hybrid layer's new tokens) are the hybrid cache's two steps.
@@ -16,17 +16,18 @@ import os
 
 import torch
 
-from .gla_torch import apply_rope, chunk_gla_torch, decode_step_torch, feature_map_torch, recurrent_gla_torch
-from .window_torch import check_window_inputs, window_attention_torch, window_mix_torch, window_over_buffer_torch
+from .gla.reference import apply_rope, chunk_gla_torch, decode_step_torch, feature_map_torch, recurrent_gla_torch
+from .window.reference import check_window_inputs, window_attention_torch, window_mix_torch, window_over_buffer_torch
 
 try:  # Triton is optional: a saved model must load on machines without it.
     from .feature_map_triton import fused_feature_map
     from .gate_triton import fused_gate
-    from .gla_triton import fused_chunk_gla, fused_recurrent_gla
+    from .gla.chunk import fused_chunk_gla
+    from .gla.recurrent import fused_recurrent_gla
     from .normalizer_triton import fused_normalize
     from .rope_triton import fused_rope
-    from .window_mix_triton import fused_window_mix
-    from .window_triton import fused_window_attention
+    from .window.mix import fused_window_mix
+    from .window.triton import fused_window_attention
     HAS_TRITON = True
 except Exception:  # ImportError, or a Triton too old for the kernels
     fused_chunk_gla = fused_recurrent_gla = fused_feature_map = fused_normalize = fused_gate = None
@@ -70,7 +71,7 @@ def chunk_gla(q, k, v, g, scale=None, initial_state=None, output_final_state=Fal
 
 
 def feature_map(x, cos=None, sin=None, weight=None, softmax=True, backend="auto", pm=False):
-    """phi(x) = softmax(rope(x) W_h) over the head dimension (see gla_torch.feature_map_torch;
+    """phi(x) = softmax(rope(x) W_h) over the head dimension (see gla.reference.feature_map_torch;
     pm=True: both softmax(+-rope(x) W_h), 2D wide): one fused Triton kernel each way on CUDA,
     PyTorch elsewhere and for the identity map."""
     if softmax and x.shape[-1] % 2 == 0 and _use_triton(x, backend):
@@ -108,7 +109,7 @@ def recurrent_gla(q, k, v, g, scale=None, initial_state=None, output_final_state
 def decode_step(q, k, v, g, scale, state=None, backend="auto"):
     """One token of generation, q [B, 1, H, K]: (o [B, 1, H, V], new state [B, Hkv, K, V]
     float32). The Triton recurrent kernel on CUDA (one launch); elsewhere a few batched tensor
-    ops (gla_torch.decode_step_torch): S = diag(exp(g)) S + k^T v, o = scale * q S."""
+    ops (gla.reference.decode_step_torch): S = diag(exp(g)) S + k^T v, o = scale * q S."""
     if q.shape[1] != 1 or k.shape[1] != 1:
         raise ValueError(f"decode_step takes one token; got q {tuple(q.shape)}, k {tuple(k.shape)}")
     if _use_triton(q, backend) and not (q.requires_grad or k.requires_grad or v.requires_grad):
@@ -120,7 +121,7 @@ def window_over_buffer(q_r, q_s, k, v, key_pos, sink_k, sink_v, sink_pos, pos, w
                        mem_k=None, mem_v=None, mem_pos=None, mem_from=None, block=256):
     """Exact softmax of a cached hybrid layer's new queries over its window buffer, sinks and
     sparse cache: (o [B, T, H, D], lse [B, T, H] float32). The contract and the maths are
-    window_torch.window_over_buffer_torch's; it runs in PyTorch on every device, in query
+    window.reference.window_over_buffer_torch's; it runs in PyTorch on every device, in query
     blocks of `block`."""
     if (mem_k is None) != (mem_from is None) or k.shape[1] != window + q_r.shape[1]:
         raise ValueError(f"window_over_buffer wants k [B, window + T, Hkv, D] and the sparse cache's four "
@@ -147,7 +148,7 @@ def window_attention(q, k, v, window, sinks=0, scale=None, cu_seqlens=None, q_si
 def window_mix(o_win, lse, o_lin, logit, shared=True, eps=1e-6, backend="auto"):
     """The hybrid layer's output from the window's (o_win, lse) and the GLA state's
     o_lin = [num, den] (chunk_gla with normalizer=True); logit [H] weighs the state's part
-    (window_torch.window_mix_torch): one fused Triton kernel each way on CUDA."""
+    (window.reference.window_mix_torch): one fused Triton kernel each way on CUDA."""
     if o_lin.shape[-1] != o_win.shape[-1] + 1 or lse.shape != o_win.shape[:-1] or logit.shape != o_win.shape[-2:-1]:
         raise ValueError(f"window_mix wants o_win [..., H, D], lse [..., H], o_lin [..., H, D + 1], logit [H]; got "
                          f"{tuple(o_win.shape)}, {tuple(lse.shape)}, {tuple(o_lin.shape)}, {tuple(logit.shape)}")
@@ -157,7 +158,7 @@ def window_mix(o_win, lse, o_lin, logit, shared=True, eps=1e-6, backend="auto"):
 
 
 def rope(x, cos, sin, backend="auto"):
-    """RoPE as the teacher applies it (gla_torch.apply_rope): x [B, T, heads, D], cos and sin
+    """RoPE as the teacher applies it (gla.reference.apply_rope): x [B, T, heads, D], cos and sin
     [B or 1, T, D]; one Triton kernel each way on CUDA."""
     if _use_triton(x, backend):
         return fused_rope(x, cos, sin)

@@ -1,5 +1,5 @@
 """RoPE as one Triton kernel each way: the hybrid layer's exact window part rotates q and k
-as the teacher does (gla_torch.apply_rope, the reference).
+as the teacher does (gla.reference.apply_rope, the reference).
 
     rope(x) = x cos + rotate_half(x) sin,   rotate_half([x1, x2]) = [-x2, x1]
 
@@ -24,7 +24,7 @@ try:
 except ImportError:
     raise
 
-from .triton_helpers import _new, _next_pow2  # _new: NaN under POISON
+from .utils import _new, _next_pow2  # _new: NaN under POISON
 
 
 @triton.jit

@@ -82,9 +82,9 @@ def ptxas_report(cases=PTXAS_CASES, arch=90, out=sys.stdout, layer_cases=PTXAS_L
     from triton.compiler import ASTSource
     from triton.runtime.jit import JITFunction
 
-    from glaswap_kernels import (feature_map_triton, gate_triton, gla_launch, gla_recurrent,
-                                 gla_triton, normalizer_triton, rope_triton, window_mix_triton,
-                                 window_triton)
+    from glaswap_kernels import feature_map_triton, gate_triton, normalizer_triton, rope_triton
+    from glaswap_kernels.gla import chunk as gla_triton, launch as gla_launch, recurrent as gla_recurrent
+    from glaswap_kernels.window import mix as window_mix_triton, triton as window_triton
     tdt = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32",
            torch.int32: "i32", torch.int64: "i64"}
     dtypes = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}   # the cases' names
@@ -126,8 +126,8 @@ def ptxas_report(cases=PTXAS_CASES, arch=90, out=sys.stdout, layer_cases=PTXAS_L
                                                                 for_grad=True, overrides=overrides)
             gla_triton._backward(q, k, v, k, K ** -0.5, hbuf, pbuf, gbuf, meta, o, ht, True)
             if docs is None and not norm:
-                gla_triton.fused_recurrent_gla(q[:, :1], k[:, :1], v[:, :1], k[:, :1],
-                                               initial_state=h0, output_final_state=True)
+                gla_recurrent.fused_recurrent_gla(q[:, :1], k[:, :1], v[:, :1], k[:, :1],
+                                                  initial_state=h0, output_final_state=True)
         for dt, T, H, D, pm in layer_cases:
             dtype = dtypes[dt]
             x, cs = torch.zeros(1, T, H, D, dtype=dtype), torch.zeros(1, T, D)

@@ -14,9 +14,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from glaswap_kernels import gla_triton, triton_helpers
-from glaswap_kernels.gla_torch import chunk_gla_torch, recurrent_gla_torch
-from glaswap_kernels.gla_triton import fused_chunk_gla
+from glaswap_kernels import utils as triton_helpers
+from glaswap_kernels.gla import chunk as gla_triton
+from glaswap_kernels.gla.chunk import fused_chunk_gla
+from glaswap_kernels.gla.reference import chunk_gla_torch, recurrent_gla_torch
 
 CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if CUDA else "cpu"

@@ -9,7 +9,7 @@ import torch
 
 from gla_helpers import DEVICE, gpu_only, interpreter_warnings, needs_kernels, poison_outputs, rel  # noqa: F401
 from glaswap_kernels import ops
-from glaswap_kernels.gla_torch import recurrent_gla_torch
+from glaswap_kernels.gla.reference import recurrent_gla_torch
 
 pytestmark = interpreter_warnings
 

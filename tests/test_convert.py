@@ -31,7 +31,7 @@ def test_convert_reload_without_glaswap(arch, tmp_path):
 
     out = tmp_path / "out"
     for name in ("config.json", "glaswap.json", "modeling_glaswap.py", "configuration_glaswap.py",
-                 "gla_attention.py", "ops.py", "gla_torch.py", "model.safetensors"):
+                 "gla_attention.py", "ops.py", "gla_reference.py", "model.safetensors"):
         assert (out / name).is_file(), name
     cfg = read_json(out / "config.json")
     assert cfg["auto_map"]["AutoModelForCausalLM"] == "modeling_glaswap.GLASwapForCausalLM"
@@ -75,7 +75,7 @@ def test_saved_code_loads_where_triton_is_missing(tmp_path):
     from glaswap.checkpoint import write_model_code
 
     written = write_model_code(tmp_path)
-    assert {"gla_triton.py", "feature_map_triton.py", "normalizer_triton.py", "ops.py"} <= set(written)
+    assert {"gla_chunk.py", "feature_map_triton.py", "normalizer_triton.py", "ops.py"} <= set(written)
     for name in written:
         required = set(get_imports(tmp_path / name))
         assert "triton" not in required, f"{name} imports triton outside a try block"

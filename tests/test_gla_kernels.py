@@ -15,8 +15,8 @@ import torch
 
 from gla_helpers import (DEVICE, make_inputs, needs_kernels, poison_outputs,  # noqa: F401
                          interpreter_warnings, record_launches, rel, run_and_compare)
-from glaswap_kernels import gla_launch, gla_recurrent, gla_triton
-from glaswap_kernels.gla_torch import chunk_gla_torch, recurrent_gla_torch
+from glaswap_kernels.gla import chunk as gla_triton, launch as gla_launch, recurrent as gla_recurrent
+from glaswap_kernels.gla.reference import chunk_gla_torch, recurrent_gla_torch
 
 fused_chunk_gla = gla_triton.fused_chunk_gla
 fused_recurrent_gla = gla_recurrent.fused_recurrent_gla
@@ -458,20 +458,28 @@ def test_bad_cu_seqlens():
                                                             device=DEVICE))
 
 
-def test_kernel_files_are_self_contained():
-    """glaswap_kernels/ is copied flat into saved model folders: only relative sibling imports, and
-    every sibling imported is one of the files copied (glaswap.checkpoint.CODE_FILES); a file
-    left out is a declared training-only kernel."""
+def test_kernel_files_are_self_contained(tmp_path):
+    """glaswap_kernels/ is copied flat into saved model folders (glaswap.checkpoint.CODE_FILES):
+    no kernel file imports glaswap, every one is copied under a name of its own or is a declared
+    training-only kernel, and in the copy every import of glaswap's code is one of a sibling
+    that was written."""
     import re
     from pathlib import Path
 
-    from glaswap.checkpoint import CODE_FILES, TRAINING_ONLY_KERNELS
-    copied = {name for _, name in CODE_FILES}
-    assert not copied & TRAINING_ONLY_KERNELS
-    for path in Path(gla_triton.__file__).parent.glob("*.py"):
+    from glaswap.checkpoint import CODE_FILES, TRAINING_ONLY_KERNELS, write_model_code
+    sources, names = [rel for rel, _ in CODE_FILES], [name for _, name in CODE_FILES]
+    assert len(set(names)) == len(names) and not set(sources) & TRAINING_ONLY_KERNELS
+    root = Path(gla_triton.__file__).parents[1]                # glaswap_kernels/
+    for path in root.rglob("*.py"):
         src = path.read_text()
         assert not re.search(r"^\s*(import glaswap\b|from glaswap[ .])", src, re.M), path
-        for sibling in re.findall(r"^\s*from \.(\w+) import", src, re.M):
-            assert f"{sibling}.py" in copied, (path.name, sibling)
+        rel = "glaswap_kernels/" + path.relative_to(root).as_posix()
         if path.name != "__init__.py":
-            assert path.name in copied | TRAINING_ONLY_KERNELS, path.name
+            assert rel in set(sources) | TRAINING_ONLY_KERNELS, rel
+    written = write_model_code(tmp_path)
+    assert written == names
+    for name in written:
+        text = (tmp_path / name).read_text()
+        assert not re.search(r"^\s*(from \.\.|import glaswap|from glaswap)", text, re.M), name
+        for sibling in re.findall(r"^\s*from \.([\w.]*) import", text, re.M):
+            assert f"{sibling}.py" in written, (name, sibling)

@@ -18,8 +18,8 @@ import pytest
 import torch
 
 from gla_helpers import interpreter_warnings, needs_kernels, poison_outputs, run_and_compare  # noqa: F401
-from glaswap_kernels.gla_launch import _Config
-from glaswap_kernels.triton_helpers import _cdiv
+from glaswap_kernels.gla.launch import _Config
+from glaswap_kernels.utils import _cdiv
 
 pytestmark = interpreter_warnings
 GPU = torch.device("cpu")            # _num_sms: 132 (an H100/H200) off-GPU, the target's plan

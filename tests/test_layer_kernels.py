@@ -11,9 +11,9 @@ import os
 import pytest
 import torch
 
-from glaswap_kernels import feature_map_triton, gate_triton, normalizer_triton, triton_helpers
+from glaswap_kernels import feature_map_triton, gate_triton, normalizer_triton, utils as triton_helpers
 from glaswap_kernels.ops import gate_logsigmoid, normalize
-from glaswap_kernels.gla_torch import feature_map_torch
+from glaswap_kernels.gla.reference import feature_map_torch
 
 CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if CUDA else "cpu"

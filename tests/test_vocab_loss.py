@@ -88,7 +88,7 @@ def test_triton_path_matches_torch(monkeypatch, dtype, ce_weight, temperature, h
     against the torch path on the same inputs, with rows of several column blocks (the last
     one partial), a short last chunk and unlabelled rows; every buffer the kernel fills
     starts as NaN."""
-    from glaswap_kernels import kd_loss_triton, triton_helpers
+    from glaswap_kernels import kd_loss_triton, utils as triton_helpers
     if not (torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"):
         pytest.skip("needs CUDA or TRITON_INTERPRET=1")
     monkeypatch.setattr(triton_helpers, "POISON", True)

@@ -19,8 +19,8 @@ import torch.nn.functional as F
 from gla_helpers import (DEVICE, gpu_only, interpreter_warnings, needs_kernels,  # noqa: F401
                          poison_outputs, rel)
 from glaswap_kernels import ops
-from glaswap_kernels.window_torch import window_attention_torch
-from glaswap_kernels.window_triton import fused_window_attention
+from glaswap_kernels.window.reference import window_attention_torch
+from glaswap_kernels.window.triton import fused_window_attention
 
 pytestmark = interpreter_warnings
 TOL = {torch.float32: 1e-5, torch.float16: 3e-3, torch.bfloat16: 2e-2}
@@ -264,8 +264,8 @@ def mix_inputs(shape, H, D, dtype, device, padded, seed=0):
 
 
 def check_mix(shape, H, D, shared, dtype=torch.float32, padded=False, device=DEVICE, tol=None):
-    from glaswap_kernels.window_mix_triton import fused_window_mix
-    from glaswap_kernels.window_torch import window_mix_torch
+    from glaswap_kernels.window.mix import fused_window_mix
+    from glaswap_kernels.window.reference import window_mix_torch
     o_win, lse, o_lin, logit, do = mix_inputs(shape, H, D, dtype, device, padded)
     xs = [x.clone().requires_grad_() for x in (o_win, lse, o_lin, logit)]
     rs = [x.detach().double().requires_grad_() for x in (o_win, lse, o_lin, logit)]
@@ -301,7 +301,7 @@ def test_mix_kernel_reads_padded_rows_and_bf16():
 
 def test_mix_reference_shared_form_is_one_normaliser():
     """shared: (e^lse o_win + e^c num) / (e^lse + e^c den), written out."""
-    from glaswap_kernels.window_torch import window_mix_torch
+    from glaswap_kernels.window.reference import window_mix_torch
     o_win, lse, o_lin, logit, _ = mix_inputs((2, 5), 3, 8, torch.float64, "cpu", False)
     num, den = o_lin[..., :-1], o_lin[..., -1]
     c = logit.double()
@@ -322,7 +322,7 @@ def test_mix_bad_shapes():
 
 def check_rope(B, T, H, D, cos_batch, dtype=torch.float32, device=DEVICE, tol=None, seed=0):
     """fused_rope against gla_torch.apply_rope in float64: y and dx, cos/sin of batch 1 or B."""
-    from glaswap_kernels.gla_torch import apply_rope
+    from glaswap_kernels.gla.reference import apply_rope
     from glaswap_kernels.rope_triton import fused_rope
     gen = torch.Generator().manual_seed(seed)
     x, dy = (torch.randn(B, T, H, D, generator=gen) for _ in range(2))

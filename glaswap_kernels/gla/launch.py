@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from .triton_helpers import _cdiv, _interpreting, _next_pow2, _num_sms
+from ..utils import _cdiv, _interpreting, _next_pow2, _num_sms
 
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -167,7 +167,7 @@ class _Segments:
 
 class _Config:
     """The launch rules of one fused_chunk_gla call. Kernel families: *_seq the sequential
-    state passes (gla_state), *_o the output kernel (and the dv kernel's K tile), *_g the
+    state passes (state.py), *_o the output kernel (and the dv kernel's K tile), *_g the
     dq/dk/dg kernel, *_dv the dv kernel. `tiles`, `chunk` (tests) force the tile sizes and
     the chunk length; `overrides` (tuning runs) replace any chosen attribute."""
 

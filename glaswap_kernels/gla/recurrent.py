@@ -13,8 +13,8 @@ try:
 except ImportError:
     raise
 
-from .gla_launch import _check
-from .triton_helpers import _cdiv, _load_state, _new, _next_pow2, _store_state
+from .launch import _check
+from ..utils import _cdiv, _load_state, _new, _next_pow2, _store_state
 
 
 @triton.jit

@@ -1,6 +1,6 @@
 """Sliding-window softmax attention with attention sinks: Triton kernels, forward and backward.
 
-The contract (which keys a token sees, what o and lse are) is in window_torch.py. Query
+The contract (which keys a token sees, what o and lse are) is in reference.py. Query
 row i of a document sees two disjoint key sets, split per row so that every kernel agrees
 on which pair belongs where whatever its tile sizes:
 
@@ -25,14 +25,14 @@ Backward, two kernels:
   group in registers, so dk and dv need no atomics), plus the sink buffer for the sink keys.
 
 Split sinks (SPLIT): the sink part is scored with its own queries and keys, q_sink and k_sink
-(window_torch's contract); dq then gets the window part, dq_sink the sink part, and the sink
+(reference.py's contract); dq then gets the window part, dq_sink the sink part, and the sink
 buffer's dk goes to k_sink's first S rows of each document instead of k's.
 
 GQA: the forward and dq programs take one query head each (H programs per block: more
 parallel programs at short T; the G heads of a group reread the same k/v tiles, which
 come from L2, not HBM); the dk/dv programs loop over the group's heads.
 
-Tiles use plain pointer arithmetic with masks (triton_helpers._load_rows): any T, packed
+Tiles use plain pointer arithmetic with masks (utils._load_rows): any T, packed
 documents, and head dims padded to a power of two.
 """
 
@@ -48,10 +48,10 @@ try:
 except ImportError:
     raise
 
-from .gla_launch import _varlen_meta
-from .triton_helpers import (_cdiv, _chunk_coords, _interpreting, _load_rows, _new, _next_pow2,
+from ..gla.launch import _varlen_meta
+from ..utils import (_cdiv, _chunk_coords, _interpreting, _load_rows, _new, _next_pow2,
                              _store_rows)
-from .window_torch import check_window_inputs
+from .reference import check_window_inputs
 
 LOG2E = 1.4426950408889634
 
@@ -380,7 +380,7 @@ def _sink_rows(dks, cu_seqlens, B, T, S, dtype):
 def fused_window_attention(q, k, v, window, sinks=0, scale=None, cu_seqlens=None, q_sink=None, k_sink=None,
                            _overrides=None):
     """Sliding-window + sink softmax attention on the Triton kernels: (o [B, T, H, D] in q's
-    dtype, lse [B, T, H] float32), differentiable through both (see window_torch for the
+    dtype, lse [B, T, H] float32), differentiable through both (see reference.py for the
     contract; q_sink and k_sink score the sink part). _overrides: launch options of _Plan
     (tests and tuning runs)."""
     B, T, H, Hkv, D = check_window_inputs(q, k, v, window, sinks, scale, cu_seqlens, q_sink, k_sink)

@@ -5,7 +5,7 @@
     _fwd_output_kernel  [NTtot, Hkv]      o = s (q 2^G) h + s mask(P) v for each query head
                                           of the group, given the chunk-start state h
 
-The chunk-start states come from the sequential pass in gla_state.py, which runs between.
+The chunk-start states come from the sequential pass in state.py, which runs between.
 """
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ try:
 except ImportError:
     raise
 
-from .gla_scores import _anchor, _gates, _is_fast, _kept_gates, _score_tile, _scores_slow
-from .triton_helpers import (_chunk_coords, _load_col, _load_rows, _load_state, _mm, _op,
+from .scores import _anchor, _gates, _is_fast, _kept_gates, _score_tile, _scores_slow
+from ..utils import (_chunk_coords, _load_col, _load_rows, _load_state, _mm, _op,
                              _seq_bounds, _store_den, _store_rows)
 
 

@@ -1,6 +1,7 @@
-"""Gated linear attention in Triton: chunk-parallel training kernels and a decoding kernel.
+"""Gated linear attention in Triton, the chunked form: fused_chunk_gla, its autograd Function and
+the host side of the chunk kernels (decoding is recurrent.py's fused_recurrent_gla).
 
-Same contract as `gla_torch.chunk_gla_torch` / `recurrent_gla_torch` (see that file):
+Same contract as `reference.chunk_gla_torch` / `recurrent_gla_torch` (see that file):
     q [B, T, H, K]; k, g [B, T, Hkv, K]; v [B, T, Hkv, V]; H a multiple of Hkv.
     g holds per-step log-decays (<= 0). o [B, T, H, V]; states [B, Hkv, K, V] float32
     (or [N, Hkv, K, V] with cu_seqlens, B = 1: the state restarts at each boundary).
@@ -15,48 +16,47 @@ P is one tensor-core matmul of (q e^{G-a})(k e^{a-G})^T, anchored at the midpoin
 channel's in-chunk decay, when the chunk's total decay is below FAST (each factor then spans
 half of it and fits the fp32/bf16 exponent range); otherwise ("slow path", steep decays) it is
 built in 16-row blocks, each factorised around its own first row, and a block still too
-steep row by row with every exponent clamped to <= 0 (see gla_scores). The choice is made per
+steep row by row with every exponent clamped to <= 0 (see scores.py). The choice is made per
 program and per K tile, so it is uniform inside a program. C is 32 where the state is narrow
 (V <= 64, K <= 128), else 64.
 
 Kernels (grid in brackets; N = sequences, NT = chunks of a sequence, NTtot = all chunks,
 S = segments of all sequences), by file:
-  forward   _chunk_gates_kernel [NK, NTtot, Hkv]  every chunk's G              gla_chunk_fwd
-            _fwd_state_kernel   [NK, NV, S*Hkv]   walks the chunks of a segment, gla_state
+  forward   _chunk_gates_kernel [NK, NTtot, Hkv]  every chunk's G              chunk_fwd.py
+            _fwd_state_kernel   [NK, NV, S*Hkv]   walks the chunks of a segment, state.py
                                                   writes every chunk-start state
             _seg_combine_kernel [NK, NV, N*Hkv]   chains the segments (only when S > N)
             _seg_fixup_kernel   [NTtot, Hkv]      local -> true states inside segments (idem)
             _fwd_output_kernel  [NTtot, Hkv]      o for every query head of the group
   backward  _bwd_dh_kernel      [NK, NV, S*Hkv]   reverse walk, every dh at chunk starts
             (_seg_combine_kernel, _seg_fixup_kernel in reverse, when S > N)
-            _bwd_dqkg_kernel    [NK, NTtot, Hkv]  dq (each head), dk, dg (+ dv   gla_chunk_bwd
+            _bwd_dqkg_kernel    [NK, NTtot, Hkv]  dq (each head), dk, dg (+ dv   chunk_bwd.py
                                                   when one K and V tile cover the head)
             _bwd_dv_kernel      [NV, NTtot, Hkv]  dv (otherwise)
-  decoding  _recurrent_kernel   [NV, B*Hkv]       token by token, state in       gla_recurrent
+  decoding  _recurrent_kernel   [NV, B*Hkv]       token by token, state in       recurrent.py
                                                   registers
-The in-chunk gate and score helpers are in gla_scores, the tile loads and the matmul in
-triton_helpers, the launch rules (tiles, warps, stages, paths) in gla_launch._Config.
+The in-chunk gate and score helpers are in scores.py, the tile loads and the matmul in
+glaswap_kernels/utils.py, the launch rules (tiles, warps, stages, paths) in launch._Config.
 The sequential passes are cut into segments (S > N) only when one walk per sequence would
 leave SMs idle (few long sequences); see _Config.plan_segments.
 The chunk-start states of the forward pass (bf16 for bf16 inputs, fp32 otherwise) are kept
 for the backward pass instead of being recomputed.
 
 dg needs no global pass: a reverse in-chunk cumulative sum plus one term per chunk boundary
-(gla_chunk_bwd.py's docstring gives the derivation).
+(chunk_bwd.py's docstring gives the derivation).
 """
 
 from __future__ import annotations
 
 import torch
 
-from .gla_chunk_bwd import _bwd_dqkg_kernel, _bwd_dv_kernel
-from .gla_chunk_fwd import _chunk_gates_kernel, _fwd_output_kernel
-from .gla_launch import _Config, _check, _row_stride, _state_stride, _varlen_meta
-from .gla_recurrent import fused_recurrent_gla
-from .gla_state import _bwd_dh_kernel, _fwd_state_kernel, _seg_combine_kernel, _seg_fixup_kernel
-from .triton_helpers import _cdiv, _new, _next_pow2
+from .chunk_bwd import _bwd_dqkg_kernel, _bwd_dv_kernel
+from .chunk_fwd import _chunk_gates_kernel, _fwd_output_kernel
+from .launch import _Config, _check, _row_stride, _state_stride, _varlen_meta
+from .state import _bwd_dh_kernel, _fwd_state_kernel, _seg_combine_kernel, _seg_fixup_kernel
+from ..utils import _cdiv, _new, _next_pow2
 
-__all__ = ["fused_chunk_gla", "fused_recurrent_gla"]
+__all__ = ["fused_chunk_gla"]
 
 
 def _forward(q, k, v, g, scale, h0, want_ht, cu_seqlens, tiles, chunk, segment, normalizer,
@@ -244,7 +244,7 @@ def fused_chunk_gla(q, k, v, g, scale=None, initial_state=None, output_final_sta
     The keywords are private. `_tiles=(BK, BV)`, `_chunk` and `_segment` (tests) force the
     tile sizes of every kernel, the chunk length and the chunks per segment of the
     sequential passes (0: one walk per sequence); `_overrides` (tuning runs, a dict such as
-    {"warps_o": 8}) replaces attributes the launch rules chose (gla_launch._Config).
+    {"warps_o": 8}) replaces attributes the launch rules chose (launch._Config).
     """
     _check(q, k, v, g, initial_state, cu_seqlens, chunked=True, normalizer=bool(normalizer))
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)

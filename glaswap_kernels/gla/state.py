@@ -9,7 +9,7 @@
 These are the only sequential parts of the chunk algorithm. A pass walks one sequence per
 (K tile, V tile, KV head); when that leaves SMs idle (few long sequences) every sequence is
 cut into S segments walked in parallel from a zero state, then the combine and fix-up
-kernels add the missing 2^decay * (true start) terms (gla_launch._Config.plan_segments).
+kernels add the missing 2^decay * (true start) terms (launch._Config.plan_segments).
 """
 
 from __future__ import annotations
@@ -20,8 +20,8 @@ try:
 except ImportError:
     raise
 
-from .gla_scores import _kept_gates
-from .triton_helpers import (_chunk_coords, _load_col, _load_den_grad, _load_rows, _load_state,
+from .scores import _kept_gates
+from ..utils import (_chunk_coords, _load_col, _load_den_grad, _load_rows, _load_state,
                              _mm, _seq_bounds, _store_col, _store_state)
 
 

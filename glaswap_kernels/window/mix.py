@@ -2,7 +2,7 @@
 
 A hybrid layer has, per query row and head, the exact window's normalised output o_win with
 its log-normaliser lse, and the GLA state's numerator and denominator o_lin = [num, den]
-(chunk_gla with normalizer=True). Its output (window_torch.window_mix_torch, the reference)
+(chunk_gla with normalizer=True). Its output (reference.window_mix_torch, the reference)
 is
 
     share = sigmoid(c + log den - lse)    shared: one normaliser over e^lse and e^c den
@@ -34,8 +34,8 @@ try:
 except ImportError:
     raise
 
-from .gla_launch import _row_stride, _state_stride
-from .triton_helpers import _cdiv, _new, _next_pow2  # _new: NaN under POISON
+from ..gla.launch import _row_stride, _state_stride
+from ..utils import _cdiv, _new, _next_pow2  # _new: NaN under POISON
 
 _ROWS = 32
 

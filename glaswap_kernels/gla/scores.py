@@ -21,7 +21,7 @@ try:
 except ImportError:
     raise
 
-from .triton_helpers import _load_rows, _mm
+from ..utils import _load_rows, _mm
 
 _LOG2E = tl.constexpr(1.4426950408889634)
 # Largest exponent, in log2 units (2^80 ~ e^55), that one factor of a factorised score may

@@ -11,7 +11,7 @@ import os
 import torch
 
 try:
-    # Triton is optional for the callers of the kernel files (ops falls back to gla_torch);
+    # Triton is optional for the callers of the kernel files (ops falls back to the references);
     # the try block also keeps transformers' remote-code import checker from requiring it.
     import triton
     import triton.language as tl
@@ -102,7 +102,7 @@ def _load_state(ptr, k0, v0, K: tl.constexpr, V: tl.constexpr, VS: tl.constexpr,
                 BK: tl.constexpr, BV: tl.constexpr):
     """[BK, BV] tile of the first V columns of a row-major K x VS state at ptr, as fp32
     (with the in-kernel normaliser column V holds its state, and VS >= V + 1 is the row
-    stride: the internal state buffers pad it, see gla_launch._state_stride)."""
+    stride: the internal state buffers pad it, see gla/launch.py's _state_stride)."""
     rk = k0 + tl.arange(0, BK)
     rv = v0 + tl.arange(0, BV)
     mask = (rk < K)[:, None] & (rv < V)[None, :]

@@ -128,7 +128,7 @@ def window_mix_torch(o_win, lse, o_lin, logit, shared=True, eps=1e-6):
         learned: the state's share is sigmoid(c), a per-head mix of the two normalised parts
 
     c = logit [H]; the share is 0 where den == 0 (nothing has entered the state yet). The
-    reference for window_mix_triton."""
+    reference for window/mix.py."""
     num, den = o_lin[..., :-1].float(), o_lin[..., -1].float()
     logit = logit.float()
     if shared:

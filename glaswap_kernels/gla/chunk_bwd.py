@@ -1,4 +1,4 @@
-"""GLA chunk backward, the parallel kernels (after the reverse state pass of gla_state.py).
+"""GLA chunk backward, the parallel kernels (after the reverse state pass of state.py).
 
     _bwd_dqkg_kernel [NK, NTtot, Hkv]  dq (each head of the group), dk, dg; also dv when one
                                        K tile and one V tile cover the whole head
@@ -20,9 +20,9 @@ try:
 except ImportError:
     raise
 
-from .gla_scores import (_anchor, _dqk_slow, _excl_cumsum, _gates, _is_fast, _kept_gates, _score_tile,
+from .scores import (_anchor, _dqk_slow, _excl_cumsum, _gates, _is_fast, _kept_gates, _score_tile,
                          _scores_slow)
-from .triton_helpers import (_chunk_coords, _load_col, _load_den_grad, _load_rows, _load_state,
+from ..utils import (_chunk_coords, _load_col, _load_den_grad, _load_rows, _load_state,
                              _mm, _op, _seq_bounds, _store_rows)
 
 
@@ -50,7 +50,7 @@ def _bwd_dqkg_kernel(q, k, v, g, do, hbuf, dhbuf, pbuf, gbuf, dq, dk, dg, dv, cu
     ONE_PASS (one query head per KV head): the inter-chunk terms are taken in the same V loop
     as dP, so each tile of v and h is loaded once instead of twice. LOAD_P: dv's s * mask(P)
     is read from pbuf (written by the forward) instead of rebuilt.
-    PATH 0: one launch, each chunk takes its own path; 1 and 2 (gla_launch._Config.split_g):
+    PATH 0: one launch, each chunk takes its own path; 1 and 2 (launch._Config.split_g):
     two launches, the one-matmul chunks then the others, each compiled without the other's
     code (the exact path costs the one-matmul chunks registers and spills)."""
     i_k = tl.program_id(0)
