@@ -42,7 +42,7 @@ SEED_FB_MS = {"8x2048 H32 D64": 3.39, "4x4096 H32 D64": 3.93, "2x8192 H32 D64": 
 
 
 # Launch-rule overrides for tuning runs (--set KEY=VALUE): handed to every fused_chunk_gla
-# call through its private `_overrides` keyword (an attribute of gla_launch._Config each).
+# call through its private `_overrides` keyword (an attribute of gla.launch.LaunchConfig each).
 OVERRIDES: dict = {}
 
 
@@ -435,7 +435,7 @@ def main(argv=None):
     ap.add_argument("--compare-fla", metavar="DIR[:FN]", action="append",
                     help="folder with an unpacked fla release (repeatable)")
     ap.add_argument("--set", action="append", metavar="KEY=VALUE",
-                    help="override a launch rule's choice: an attribute of gla_launch._Config "
+                    help="override a launch rule's choice: an attribute of gla.launch.LaunchConfig "
                          "(tuning), passed as fused_chunk_gla(..., _overrides=...)")
     ap.add_argument("--no-check", action="store_true", help="skip the correctness checks")
     ap.add_argument("--dry-run", action="store_true",

@@ -118,7 +118,7 @@ def show(title, table):
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shape", action="append", help="BxT:H[/Hkv]:D (repeatable)")
-    ap.add_argument("--set", action="append", metavar="KEY=VALUE", help="_Config override")
+    ap.add_argument("--set", action="append", metavar="KEY=VALUE", help="LaunchConfig override")
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--dtype", choices=("bf16", "fp16", "fp32"), default="bf16",
                     help="glaswap's inputs (SDPA stays bf16)")

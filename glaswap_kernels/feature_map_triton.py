@@ -30,7 +30,7 @@ except ImportError:
     raise
 
 # The output buffers are NaN-filled when utils.POISON is set (tests).
-from .utils import _cdiv, _mm, _new, _next_pow2
+from .utils import cdiv, mm, new, next_pow2
 
 # Launch settings (benchmarks/bench_feature_map.py --set KEY=VALUE tries others): BN rows
 # per block; warps; stages, the software pipelining depth (1 keeps float32 D = 128 within
@@ -41,7 +41,7 @@ LAUNCH = dict(BN=64, warps=4, stages=1)
 @triton.jit
 def _dot(a, b, DOT_BF16: tl.constexpr):
     """bf16 operands for bf16 inputs (as autocast would), exact float32 products otherwise."""
-    return _mm(a, b, DOT_BF16, "ieee")
+    return mm(a, b, DOT_BF16, "ieee")
 
 
 @triton.jit
@@ -150,7 +150,7 @@ def _fm_bwd_kernel(x, cos, sin, w, dout, dx, rbuf, dybuf, N, T, stride_x, stride
 
 def _launch_shape(D):
     D2 = D // 2
-    return D2, max(16, _next_pow2(D2)), max(16, _next_pow2(D))
+    return D2, max(16, next_pow2(D2)), max(16, next_pow2(D))
 
 
 class _FusedFeatureMap(torch.autograd.Function):
@@ -168,9 +168,9 @@ class _FusedFeatureMap(torch.autograd.Function):
         else:
             cos = sin = x
             stride_cb = stride_ct = 0
-        out = _new((B, T, H, D * (1 + pm)), x.dtype, x.device)
+        out = new((B, T, H, D * (1 + pm)), x.dtype, x.device)
         BN = LAUNCH["BN"]
-        _fm_fwd_kernel[(_cdiv(N, BN), H)](
+        _fm_fwd_kernel[(cdiv(N, BN), H)](
             x, cos, sin, w, out, N, T, H * D, stride_cb, stride_ct, w.stride(0),
             D=D, D2=D2, BD2=BD2, BD=BD, BN=BN, ROPE=rope, PM=pm, DOT_BF16=x.dtype == torch.bfloat16,
             num_warps=LAUNCH["warps"], num_stages=LAUNCH["stages"])
@@ -187,9 +187,9 @@ class _FusedFeatureMap(torch.autograd.Function):
         D2, BD2, BD = _launch_shape(D)
         dout = dout.contiguous()
         BN = LAUNCH["BN"]
-        dx = _new(x.shape, x.dtype, x.device)
-        rbuf, dybuf = (_new(x.shape, x.dtype, x.device) for _ in range(2)) if need_dw else (x, x)
-        _fm_bwd_kernel[(_cdiv(N, BN), H)](
+        dx = new(x.shape, x.dtype, x.device)
+        rbuf, dybuf = (new(x.shape, x.dtype, x.device) for _ in range(2)) if need_dw else (x, x)
+        _fm_bwd_kernel[(cdiv(N, BN), H)](
             x, cos, sin, w, dout, dx, rbuf, dybuf, N, T, H * D, stride_cb, stride_ct, w.stride(0),
             D=D, D2=D2, BD2=BD2, BD=BD, BN=BN, ROPE=rope, PM=pm, DW=need_dw,
             DOT_BF16=x.dtype == torch.bfloat16, num_warps=LAUNCH["warps"], num_stages=LAUNCH["stages"])

@@ -28,7 +28,7 @@ try:
 except ImportError:
     raise
 
-from .utils import _cdiv, _new, _next_pow2  # _new: NaN-filled under POISON
+from .utils import cdiv, new, next_pow2  # new: NaN-filled under POISON
 
 _ROWS = 64
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -78,14 +78,14 @@ def _launch(kernel, x, *bufs, scalars, R):
     D = x.shape[-1]
     rows = x.numel() // D
     if rows:  # an empty grid is not launched
-        kernel[(_cdiv(rows, _ROWS),)](x, *bufs, rows, *scalars, D=D, R=R, BD=max(16, _next_pow2(D)),
-                                      BR=_ROWS, num_warps=4)
+        kernel[(cdiv(rows, _ROWS),)](x, *bufs, rows, *scalars, D=D, R=R, BD=max(16, next_pow2(D)),
+                                     BR=_ROWS, num_warps=4)
 
 
 class _Gate(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, n, s, R):
-        y = _new(x.shape[:-1] + (R * x.shape[-1],), x.dtype, x.device)
+        y = new(x.shape[:-1] + (R * x.shape[-1],), x.dtype, x.device)
         _launch(_gate_fwd_kernel, x, y, scalars=(n, s), R=R)
         ctx.save_for_backward(x)
         ctx.n, ctx.R = n, R
@@ -94,7 +94,7 @@ class _Gate(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy):
         (x,) = ctx.saved_tensors
-        dx = _new(x.shape, x.dtype, x.device)
+        dx = new(x.shape, x.dtype, x.device)
         _launch(_gate_bwd_kernel, x, dy.contiguous(), dx, scalars=(ctx.n,), R=ctx.R)
         return dx, None, None, None
 

@@ -28,7 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .utils import _new
+from .utils import new
 
 _LOG2E = 1.4426950408889634
 _BLOCK = 4096      # columns of a row per step; V = 128256 takes 32 steps a pass
@@ -112,11 +112,11 @@ class _FusedKD(torch.autograd.Function):
             h_s = h_s.to(dtype)
             w = weight.to(dtype)
             h_t = h_t.to(dtype)
-            grad_h = _new(h_s.shape, dtype, h_s.device)
+            grad_h = new(h_s.shape, dtype, h_s.device)
             grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) \
                 if ctx.needs_input_grad[2] else None
-            kl = _new((n,), torch.float32, h_s.device)
-            ce = _new((n,), torch.float32, h_s.device) if ce_weight else kl[:1]   # unused without CE
+            kl = new((n,), torch.float32, h_s.device)
+            ce = new((n,), torch.float32, h_s.device) if ce_weight else kl[:1]    # unused without CE
             c = min(chunk_tokens, n)
             buf_s = torch.empty(c, V, dtype=dtype, device=h_s.device)
             buf_t = torch.empty(c, V, dtype=dtype, device=h_s.device)

@@ -26,8 +26,7 @@ try:
 except ImportError:
     raise
 
-from .gla.launch import _row_stride, _state_stride
-from .utils import _cdiv, _new, _next_pow2  # _new: NaN under POISON
+from .utils import cdiv, new, next_pow2, row_stride, state_stride  # new: NaN under POISON
 
 _ROWS = 64
 
@@ -70,14 +69,14 @@ class _Normalize(torch.autograd.Function):
     @staticmethod
     def forward(ctx, o, eps):
         V = o.shape[-1] - 1
-        rs = _row_stride(o)                 # fused_chunk_gla's o: rows padded to 8 values
+        rs = row_stride(o)                  # fused_chunk_gla's o: rows padded to 8 values
         if rs is None:
             o, rs = o.contiguous(), V + 1
         rows = o.numel() // (V + 1)
-        out = _new(o.shape[:-1] + (V,), o.dtype, o.device)
-        BV = max(16, _next_pow2(V))
-        _normalize_fwd_kernel[(_cdiv(rows, _ROWS),)](o, out, rows, eps, V=V, RS=rs, BV=BV,
-                                                          BR=_ROWS, num_warps=4)
+        out = new(o.shape[:-1] + (V,), o.dtype, o.device)
+        BV = max(16, next_pow2(V))
+        _normalize_fwd_kernel[(cdiv(rows, _ROWS),)](o, out, rows, eps, V=V, RS=rs, BV=BV,
+                                                    BR=_ROWS, num_warps=4)
         ctx.save_for_backward(o)
         ctx.eps, ctx.rs = eps, rs
         return out
@@ -89,12 +88,12 @@ class _Normalize(torch.autograd.Function):
         rows = o.numel() // (V + 1)
         # the gradient in the rows fused_chunk_gla pads o to (a view of V + 1 columns): its
         # backward then reads it with vector loads instead of copying it
-        rd = _state_stride(V, True)
-        do = _new(o.shape[:-1] + (rd,), o.dtype, o.device)[..., :V + 1]
-        BV = max(16, _next_pow2(V))
-        _normalize_bwd_kernel[(_cdiv(rows, _ROWS),)](o, dout.contiguous(), do, rows, ctx.eps,
-                                                          V=V, RS=ctx.rs, RD=rd, BV=BV, BR=_ROWS,
-                                                          num_warps=4)
+        rd = state_stride(V, True)
+        do = new(o.shape[:-1] + (rd,), o.dtype, o.device)[..., :V + 1]
+        BV = max(16, next_pow2(V))
+        _normalize_bwd_kernel[(cdiv(rows, _ROWS),)](o, dout.contiguous(), do, rows, ctx.eps,
+                                                    V=V, RS=ctx.rs, RD=rd, BV=BV, BR=_ROWS,
+                                                    num_warps=4)
         return do, None
 
 

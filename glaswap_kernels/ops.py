@@ -12,12 +12,10 @@ of a cached hybrid layer's new tokens) are the hybrid cache's two steps.
 
 from __future__ import annotations
 
-import os
-
 import torch
 
 from .gla.reference import apply_rope, chunk_gla_torch, decode_step_torch, feature_map_torch, recurrent_gla_torch
-from .window.reference import check_window_inputs, window_attention_torch, window_mix_torch, window_over_buffer_torch
+from .window.reference import window_attention_torch, window_mix_torch, window_over_buffer_torch
 
 try:  # Triton is optional: a saved model must load on machines without it.
     from .feature_map_triton import fused_feature_map
@@ -26,12 +24,13 @@ try:  # Triton is optional: a saved model must load on machines without it.
     from .gla.recurrent import fused_recurrent_gla
     from .normalizer_triton import fused_normalize
     from .rope_triton import fused_rope
+    from .utils import interpreting
     from .window.mix import fused_window_mix
     from .window.triton import fused_window_attention
     HAS_TRITON = True
 except Exception:  # ImportError, or a Triton too old for the kernels
     fused_chunk_gla = fused_recurrent_gla = fused_feature_map = fused_normalize = fused_gate = None
-    fused_window_attention = fused_window_mix = fused_rope = None
+    fused_window_attention = fused_window_mix = fused_rope = interpreting = None
     HAS_TRITON = False
 
 BACKENDS = ("auto", "triton", "torch")
@@ -42,8 +41,7 @@ def _use_triton(x, backend):
         raise ValueError(f"unknown GLA backend {backend!r}; choose one of {', '.join(BACKENDS)}")
     if backend == "torch":
         return False
-    interpreted = os.environ.get("TRITON_INTERPRET") == "1"
-    ok = HAS_TRITON and (x.is_cuda or interpreted)
+    ok = HAS_TRITON and (x.is_cuda or interpreting())
     if backend == "triton" and not ok:
         raise RuntimeError("the Triton GLA kernels need Triton and a CUDA tensor (or TRITON_INTERPRET=1)")
     return ok and (backend == "triton" or x.is_cuda)
@@ -136,8 +134,8 @@ def window_attention(q, k, v, window, sinks=0, scale=None, cu_seqlens=None, q_si
     first `sinks`: (o [B, T, H, D] in q's dtype, lse [B, T, H] float32, natural log),
     both differentiable. q [B, T, H, D], k and v [B, T, Hkv, D]; cu_seqlens [N+1] packs
     documents (B == 1). scale defaults to 1/sqrt(D). q_sink and k_sink (shaped as q and k)
-    score the sinks the window does not cover (default: q and k)."""
-    check_window_inputs(q, k, v, window, sinks, scale, cu_seqlens, q_sink, k_sink)
+    score the sinks the window does not cover (default: q and k). Both implementations check
+    the inputs (window.reference.check_window_inputs)."""
     if _use_triton(q, backend):
         return fused_window_attention(q, k, v, window, sinks, scale=scale, cu_seqlens=cu_seqlens,
                                       q_sink=q_sink, k_sink=k_sink)

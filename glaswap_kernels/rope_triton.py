@@ -24,7 +24,7 @@ try:
 except ImportError:
     raise
 
-from .utils import _new, _next_pow2  # _new: NaN under POISON
+from .utils import new, next_pow2  # new: NaN under POISON
 
 
 @triton.jit
@@ -56,9 +56,9 @@ def _rope_kernel(x, cos, sin, y, T, stride_cb, stride_ct, H: tl.constexpr, D: tl
 
 def _launch(x, cos, sin, bwd):
     B, T, H, D = x.shape
-    y = _new(x.shape, x.dtype, x.device)
+    y = new(x.shape, x.dtype, x.device)
     _rope_kernel[(B * T,)](x, cos, sin, y, T, cos.stride(0) if cos.shape[0] > 1 else 0, cos.stride(1),
-                           H=H, D=D, HALF=D // 2, BH=_next_pow2(H), BHALF=max(16, _next_pow2(D // 2)), BWD=bwd,
+                           H=H, D=D, HALF=D // 2, BH=next_pow2(H), BHALF=max(16, next_pow2(D // 2)), BWD=bwd,
                            num_warps=4 if H * D <= 4096 else 8)
     return y
 

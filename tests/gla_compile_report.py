@@ -82,7 +82,7 @@ def ptxas_report(cases=PTXAS_CASES, arch=90, out=sys.stdout, layer_cases=PTXAS_L
     from triton.compiler import ASTSource
     from triton.runtime.jit import JITFunction
 
-    from glaswap_kernels import feature_map_triton, gate_triton, normalizer_triton, rope_triton
+    from glaswap_kernels import feature_map_triton, gate_triton, normalizer_triton, rope_triton, utils
     from glaswap_kernels.gla import chunk as gla_triton, launch as gla_launch, recurrent as gla_recurrent
     from glaswap_kernels.window import mix as window_mix_triton, triton as window_triton
     tdt = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32",
@@ -105,8 +105,8 @@ def ptxas_report(cases=PTXAS_CASES, arch=90, out=sys.stdout, layer_cases=PTXAS_L
             if isinstance(obj, JITFunction) and name.endswith("_kernel"):
                 saved[(mod, name)] = obj
                 setattr(mod, name, Recorder(obj))
-    saved_interp = gla_launch._interpreting
-    gla_launch._interpreting = lambda: True          # accept CPU tensors: nothing launches
+    saved_interp = gla_launch.interpreting
+    gla_launch.interpreting = lambda: True           # accept CPU tensors: nothing launches
     try:
         for case in cases:
             dt, B, T, H, Hkv, K, V, docs = case[:8]
@@ -136,7 +136,7 @@ def ptxas_report(cases=PTXAS_CASES, arch=90, out=sys.stdout, layer_cases=PTXAS_L
                      torch.zeros(1, T, H, D * (1 + pm), dtype=dtype)),
                     # o as fused_chunk_gla returns it: rows padded to 8 values
                     (normalizer_triton._Normalize,
-                     (torch.zeros(1, T, H, gla_launch._state_stride(D, True), dtype=dtype)[..., :D + 1],
+                     (torch.zeros(1, T, H, utils.state_stride(D, True), dtype=dtype)[..., :D + 1],
                       1e-6), x),
                     (gate_triton._Gate, (x, 16.0, 1 / 2048, 1 + pm), torch.zeros(1, T, H, D * (1 + pm), dtype=dtype))):
                 ctx = _Ctx()
@@ -150,7 +150,7 @@ def ptxas_report(cases=PTXAS_CASES, arch=90, out=sys.stdout, layer_cases=PTXAS_L
             o, lse = window_triton._WindowAttention.forward(ctx, q, k, k, W, S, D ** -0.5, None, plan,
                                                             q if split else None, k if split else None)
             window_triton._WindowAttention.backward(ctx, o, lse)
-            o_lin = torch.zeros(B, T, H, gla_launch._state_stride(D, True), dtype=dtype)[..., :D + 1]
+            o_lin = torch.zeros(B, T, H, utils.state_stride(D, True), dtype=dtype)[..., :D + 1]
             ctx = _Ctx()
             window_mix_triton._WindowMix.forward(ctx, o, lse, o_lin, torch.zeros(H), True, 1e-6)
             window_mix_triton._WindowMix.backward(ctx, o)
@@ -161,7 +161,7 @@ def ptxas_report(cases=PTXAS_CASES, arch=90, out=sys.stdout, layer_cases=PTXAS_L
     finally:
         for (mod, name), obj in saved.items():
             setattr(mod, name, obj)
-        gla_launch._interpreting = saved_interp
+        gla_launch.interpreting = saved_interp
 
     bin_dir = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
     ptxas = os.path.join(bin_dir, "ptxas")

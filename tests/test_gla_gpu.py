@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from gla_helpers import gpu_compare, gpu_only, poison_outputs, run_and_compare  # noqa: F401
-from glaswap_kernels.gla.launch import _Config
+from glaswap_kernels.gla.launch import LaunchConfig as _Config
 
 gpu = pytest.mark.gpu
 

@@ -15,6 +15,7 @@ import torch
 
 from gla_helpers import (DEVICE, make_inputs, needs_kernels, poison_outputs,  # noqa: F401
                          interpreter_warnings, record_launches, rel, run_and_compare)
+from glaswap_kernels import utils
 from glaswap_kernels.gla import chunk as gla_triton, launch as gla_launch, recurrent as gla_recurrent
 from glaswap_kernels.gla.reference import chunk_gla_torch, recurrent_gla_torch
 
@@ -155,9 +156,9 @@ def test_varlen_metadata_cached_per_tensor(monkeypatch):
     """Every layer of a model passes the same cu_seqlens: its metadata is built (one host
     sync) once, and rebuilt when the tensor changes in place or another tensor comes."""
     calls = []
-    real = gla_launch._varlen_meta_uncached
-    monkeypatch.setattr(gla_launch, "_varlen_meta_uncached", lambda *a: calls.append(1) or real(*a))
-    monkeypatch.setattr(gla_launch, "_VARLEN_MEMO", {})
+    real = utils._varlen_meta_uncached
+    monkeypatch.setattr(utils, "_varlen_meta_uncached", lambda *a: calls.append(1) or real(*a))
+    monkeypatch.setattr(utils, "_VARLEN_MEMO", {})
     monkeypatch.setattr(gla_launch, "_SEGMENT_MEMO", {})
     (q, k, v, g), _, cu, _, _ = make_inputs(1, 90, 2, 1, 16, 16, seqs=[40, 50])
     cu = cu.to(DEVICE)

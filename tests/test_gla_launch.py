@@ -1,4 +1,4 @@
-"""The launch rules (gla_launch._Config) as properties, not as a table of pinned values:
+"""The launch rules (gla.launch.LaunchConfig) as properties, not as a table of pinned values:
 
 * every configuration the rules pick at real sizes, in every regime (dtype, head dims
   16..128 with odd and > 64 ones, V = 65, grouped queries, the normaliser, segmented or
@@ -18,8 +18,8 @@ import pytest
 import torch
 
 from gla_helpers import interpreter_warnings, needs_kernels, poison_outputs, run_and_compare  # noqa: F401
-from glaswap_kernels.gla.launch import _Config
-from glaswap_kernels.utils import _cdiv
+from glaswap_kernels.gla.launch import LaunchConfig as _Config
+from glaswap_kernels.utils import cdiv as _cdiv
 
 pytestmark = interpreter_warnings
 GPU = torch.device("cpu")            # _num_sms: 132 (an H100/H200) off-GPU, the target's plan

@@ -19,7 +19,6 @@ give the same value:
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 import torch.nn.functional as F
@@ -88,6 +87,12 @@ def _load_triton():
     return fused_kd_loss, None
 
 
+def _interpreting() -> bool:
+    """Whether Triton runs its interpreter (called once _load_triton found Triton)."""
+    from glaswap_kernels.utils import interpreting
+    return interpreting()
+
+
 def resolve_loss_impl(impl: str, device) -> str:
     """"torch" or "triton" for `stage2.loss_impl` = impl and tensors on `device`."""
     if impl not in LOSS_IMPLS:
@@ -96,8 +101,7 @@ def resolve_loss_impl(impl: str, device) -> str:
     if impl == "torch" or (impl == "auto" and not on_gpu):
         return "torch"
     why = _load_triton()[1]
-    interpreted = os.environ.get("TRITON_INTERPRET") == "1"
-    if impl == "triton" and (why or not (on_gpu or interpreted)):
+    if impl == "triton" and (why or not (on_gpu or _interpreting())):
         raise GlaswapError(f"stage2.loss_impl is triton but {why or 'the tensors are not on a GPU'}; "
                            "set stage2.loss_impl=torch")
     return "torch" if why else "triton"

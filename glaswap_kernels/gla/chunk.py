@@ -36,9 +36,9 @@ S = segments of all sequences), by file:
   decoding  _recurrent_kernel   [NV, B*Hkv]       token by token, state in       recurrent.py
                                                   registers
 The in-chunk gate and score helpers are in scores.py, the tile loads and the matmul in
-glaswap_kernels/utils.py, the launch rules (tiles, warps, stages, paths) in launch._Config.
+glaswap_kernels/utils.py, the launch rules (tiles, warps, stages, paths) in launch.LaunchConfig.
 The sequential passes are cut into segments (S > N) only when one walk per sequence would
-leave SMs idle (few long sequences); see _Config.plan_segments.
+leave SMs idle (few long sequences); see LaunchConfig.plan_segments.
 The chunk-start states of the forward pass (bf16 for bf16 inputs, fp32 otherwise) are kept
 for the backward pass instead of being recomputed.
 
@@ -50,53 +50,55 @@ from __future__ import annotations
 
 import torch
 
+from ..utils import cdiv, new, next_pow2, row_stride, state_stride, varlen_meta
 from .chunk_bwd import _bwd_dqkg_kernel, _bwd_dv_kernel
 from .chunk_fwd import _chunk_gates_kernel, _fwd_output_kernel
-from .launch import _Config, _check, _row_stride, _state_stride, _varlen_meta
+from .launch import LaunchConfig, check_gla_inputs
 from .state import _bwd_dh_kernel, _fwd_state_kernel, _seg_combine_kernel, _seg_fixup_kernel
-from ..utils import _cdiv, _new, _next_pow2
 
 __all__ = ["fused_chunk_gla"]
 
 
 def _forward(q, k, v, g, scale, h0, want_ht, cu_seqlens, tiles, chunk, segment, normalizer,
              for_grad=False, overrides=None):
-    B, T, H, Hkv, K, V, N = _check(q, k, v, g, h0, cu_seqlens, chunked=True,
-                                   normalizer=normalizer)
+    # the inputs were checked once, by fused_chunk_gla
+    B, T, H, K = q.shape
+    Hkv, V = k.shape[2], v.shape[3]
+    N = B if cu_seqlens is None else cu_seqlens.numel() - 1
     VU = V + int(normalizer)                        # state columns (z last) and o's columns
-    VS = _state_stride(V, normalizer)               # row stride of the internal state buffers
-    cfg = _Config(B, T, H, Hkv, K, V, N, q.dtype, q.device, tiles, chunk,
-                  normalizer=bool(normalizer), overrides=overrides)
+    VS = state_stride(V, normalizer)                # row stride of the internal state buffers
+    cfg = LaunchConfig(B, T, H, Hkv, K, V, N, q.dtype, q.device, tiles, chunk,
+                       normalizer=bool(normalizer), overrides=overrides)
     if segment is not None:                         # private: force the segment length (tests)
         cfg.seg_len = int(segment)
     if cu_seqlens is not None:
-        cu, offsets, indices, total, n_chunks = _varlen_meta(cu_seqlens, T, cfg.BT, q.device)
+        cu, offsets, indices, total, n_chunks = varlen_meta(cu_seqlens, T, cfg.BT, q.device)
         n_entries = total + N
     else:
         cu = offsets = indices = None
-        total = B * _cdiv(T, cfg.BT)
+        total = B * cdiv(T, cfg.BT)
         n_entries = total + B
-        n_chunks = [_cdiv(T, cfg.BT)] * B
+        n_chunks = [cdiv(T, cfg.BT)] * B
     seg = cfg.plan_segments(n_chunks, Hkv, cu is not None, q.device)
     R = H // Hkv
     q, k, v, g = (x.contiguous() for x in (q, k, v, g))
     if h0 is not None:
         h0 = h0.contiguous()
-    hbuf = _new((n_entries, Hkv, K, VS), cfg.state_dtype, q.device)
-    ht = _new((N, Hkv, K, VU), torch.float32, q.device) if want_ht else None
+    hbuf = new((n_entries, Hkv, K, VS), cfg.state_dtype, q.device)
+    ht = new((N, Hkv, K, VU), torch.float32, q.device) if want_ht else None
     # With the normaliser o is a [B, T, H, V + 1] view of rows padded like the states (VS):
     # aligned rows let the kernels that write o and read its gradient use vector accesses
     # (the fused normaliser's backward hands the gradient back in the same layout).
-    o = _new((B, T, H, VS), q.dtype, q.device)[..., :VU]
+    o = new((B, T, H, VS), q.dtype, q.device)[..., :VU]
     # keep_p: the output kernel also writes s * mask(P) of every chunk ([tokens, H, BT], the
     # matmul operand's dtype), which the backward's dv reads instead of rebuilding it.
     pbuf = None
     if for_grad and cfg.keep_p:
-        pbuf = _new((B, T, H, cfg.BT), torch.bfloat16 if cfg.dot_bf16 else torch.float32, q.device)
+        pbuf = new((B, T, H, cfg.BT), torch.bfloat16 if cfg.dot_bf16 else torch.float32, q.device)
     # every chunk's cumulative gates, read by the other kernels (forward and backward)
-    gbuf = _new((B, T, Hkv, K), torch.float32, q.device)
-    bk = min(_next_pow2(K), 64)
-    _chunk_gates_kernel[(_cdiv(K, bk), total, Hkv)](
+    gbuf = new((B, T, Hkv, K), torch.float32, q.device)
+    bk = min(next_pow2(K), 64)
+    _chunk_gates_kernel[(cdiv(K, bk), total, Hkv)](
         g, gbuf, cu, offsets, indices, T, Hkv=Hkv, K=K, BT=cfg.BT, BK=bk,
         IS_VARLEN=cu is not None, num_warps=4)
     common = dict(IS_VARLEN=cu is not None, DOT_BF16=cfg.dot_bf16, PREC=cfg.prec,
@@ -123,8 +125,8 @@ def _segment_buffers(seg, n_entries, Hkv, K, V, device):
     """dec (log2 decays per slot, fp32) and segend (local segment results, fp32)."""
     if not seg.on:
         return None, None
-    return (_new((n_entries, Hkv, K), torch.float32, device),
-            _new((seg.total, Hkv, K, V), torch.float32, device))
+    return (new((n_entries, Hkv, K), torch.float32, device),
+            new((seg.total, Hkv, K, V), torch.float32, device))
 
 
 def _chain_segments(cfg, seg, buf, dec, segend, final, cu, offsets, indices, T, total, N,
@@ -134,7 +136,7 @@ def _chain_segments(cfg, seg, buf, dec, segend, final, cu, offsets, indices, T, 
     row stride; VS is the row stride of buf and segend. Both kernels walk all VS columns
     (pad included): a mask at V + 1 would split 8-column groups and force scalar loads."""
     IS_VARLEN = cu is not None
-    NV = _cdiv(VS, cfg.BV_seq)
+    NV = cdiv(VS, cfg.BV_seq)
     _seg_combine_kernel[(cfg.NK_seq, NV, N * Hkv)](
         buf, dec, segend, final, cu, offsets, seg.offsets, T, seg.seg_len, seg.n_seg,
         Hkv=Hkv, K=K, V=VS, VU=V, BT=cfg.BT, BK=cfg.BK_seq, BV=cfg.BV_seq,
@@ -152,17 +154,17 @@ def _backward(q, k, v, g, scale, hbuf, pbuf, gbuf, meta, do, dht, want_dh0):
     VU = V + int(normalizer)
     VS = hbuf.shape[-1]                             # the internal buffers' padded row stride
     R = H // Hkv
-    VO = _row_stride(do) if normalizer else None
+    VO = row_stride(do) if normalizer else None
     if VO is None or VO % 8:                       # not the padded layout: a plain copy
         do, VO = do.contiguous(), VU
     if dht is not None:
         dht = dht.contiguous()
-    dhbuf = _new(hbuf.shape, cfg.state_dtype, q.device)
-    dh0 = _new((N, Hkv, K, VU), torch.float32, q.device) if want_dh0 else None
-    dq = _new(q.shape, q.dtype, q.device)
-    dk = _new(k.shape, k.dtype, q.device)
-    dv = _new(v.shape, v.dtype, q.device)
-    dg = _new(g.shape, g.dtype, q.device)
+    dhbuf = new(hbuf.shape, cfg.state_dtype, q.device)
+    dh0 = new((N, Hkv, K, VU), torch.float32, q.device) if want_dh0 else None
+    dq = new(q.shape, q.dtype, q.device)
+    dk = new(k.shape, k.dtype, q.device)
+    dv = new(v.shape, v.dtype, q.device)
+    dg = new(g.shape, g.dtype, q.device)
     common = dict(IS_VARLEN=cu is not None, DOT_BF16=cfg.dot_bf16, PREC=cfg.prec,
                   VS=VS, VO=VO, NORM=normalizer)
     dec, segend = _segment_buffers(seg, hbuf.shape[0], Hkv, K, VS, q.device)
@@ -244,9 +246,9 @@ def fused_chunk_gla(q, k, v, g, scale=None, initial_state=None, output_final_sta
     The keywords are private. `_tiles=(BK, BV)`, `_chunk` and `_segment` (tests) force the
     tile sizes of every kernel, the chunk length and the chunks per segment of the
     sequential passes (0: one walk per sequence); `_overrides` (tuning runs, a dict such as
-    {"warps_o": 8}) replaces attributes the launch rules chose (launch._Config).
+    {"warps_o": 8}) replaces attributes the launch rules chose (launch.LaunchConfig).
     """
-    _check(q, k, v, g, initial_state, cu_seqlens, chunked=True, normalizer=bool(normalizer))
+    check_gla_inputs(q, k, v, g, initial_state, cu_seqlens, chunked=True, normalizer=bool(normalizer))
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
     # Buffers kept only for a backward (keep_p) are written only when one can follow.
     for_grad = torch.is_grad_enabled() and any(

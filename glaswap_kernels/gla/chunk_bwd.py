@@ -20,10 +20,9 @@ try:
 except ImportError:
     raise
 
-from .scores import (_anchor, _dqk_slow, _excl_cumsum, _gates, _is_fast, _kept_gates, _score_tile,
-                         _scores_slow)
-from ..utils import (_chunk_coords, _load_col, _load_den_grad, _load_rows, _load_state,
-                             _mm, _op, _seq_bounds, _store_rows)
+from ..utils import (chunk_coords, load_col, load_den_grad, load_rows, load_state, mm, op, seq_bounds,
+                     store_rows)
+from .scores import anchor, dqk_slow, excl_cumsum, gates, is_fast, kept_gates, score_tile, scores_slow
 
 
 @triton.jit
@@ -50,14 +49,14 @@ def _bwd_dqkg_kernel(q, k, v, g, do, hbuf, dhbuf, pbuf, gbuf, dq, dk, dg, dv, cu
     ONE_PASS (one query head per KV head): the inter-chunk terms are taken in the same V loop
     as dP, so each tile of v and h is loaded once instead of twice. LOAD_P: dv's s * mask(P)
     is read from pbuf (written by the forward) instead of rebuilt.
-    PATH 0: one launch, each chunk takes its own path; 1 and 2 (launch._Config.split_g):
+    PATH 0: one launch, each chunk takes its own path; 1 and 2 (launch.LaunchConfig.split_g):
     two launches, the one-matmul chunks then the others, each compiled without the other's
     code (the exact path costs the one-matmul chunks registers and spills)."""
     i_k = tl.program_id(0)
     i_c = tl.program_id(1)
     i_h = tl.program_id(2)
-    i_n, i_t = _chunk_coords(i_c, chunk_indices, T, BT, IS_VARLEN)
-    bos, eos, c0 = _seq_bounds(i_n, cu_seqlens, chunk_offsets, T, BT, IS_VARLEN)
+    i_n, i_t = chunk_coords(i_c, chunk_indices, T, BT, IS_VARLEN)
+    bos, eos, c0 = seq_bounds(i_n, cu_seqlens, chunk_offsets, T, BT, IS_VARLEN)
     t0 = bos + i_t * BT
     n_valid = eos - t0
     k0 = i_k * BK
@@ -74,20 +73,20 @@ def _bwd_dqkg_kernel(q, k, v, g, do, hbuf, dhbuf, pbuf, gbuf, dq, dk, dg, dv, cu
     # input dtype and is widened where used, and of the decay factors only G is kept;
     # 2^G and 2^-G are recomputed at each use (a few thousand exps per program are cheaper
     # than spilled tiles).
-    b_kr = _load_rows(kp, t0, n_valid, Hkv * K, k0, K, BT, BK)
-    G, G_last = _kept_gates(gbuf + i_h * K, t0, n_valid, Hkv * K, k0, K, BT, BK)
-    a = _anchor(G_last)            # the one-matmul path's factors are 2^{G-a} and 2^{a-G}
-    fast = _is_fast(G_last)
+    b_kr = load_rows(kp, t0, n_valid, Hkv * K, k0, K, BT, BK)
+    G, G_last = kept_gates(gbuf + i_h * K, t0, n_valid, Hkv * K, k0, K, BT, BK)
+    a = anchor(G_last)             # the one-matmul path's factors are 2^{G-a} and 2^{a-G}
+    fast = is_fast(G_last)
     if PATH > 0:                   # launch 1 takes the one-matmul chunks, launch 2 the
         if fast != (PATH == 1):    # others, each compiled with one path
             return
         fast = PATH == 1
     if fast:
-        k_e = _op(b_kr.to(tl.float32) * tl.exp2(a[None, :] - G), DOT_BF16)     # <= 2^SAFE
+        k_e = op(b_kr.to(tl.float32) * tl.exp2(a[None, :] - G), DOT_BF16)      # <= 2^SAFE
     else:
-        k_e = _op(b_kr, DOT_BF16)                          # unused
+        k_e = op(b_kr, DOT_BF16)                           # unused
     if WITH_DV:
-        b_v = _load_rows(vp, t0, n_valid, Hkv * V, 0, V, BT, BV)
+        b_v = load_rows(vp, t0, n_valid, Hkv * V, 0, V, BT, BV)
         b_dv = tl.zeros([BT, BV], dtype=tl.float32)
 
     dk_acc = tl.zeros([BT, BK], dtype=tl.float32)          # intra-chunk dk, all heads
@@ -96,87 +95,87 @@ def _bwd_dqkg_kernel(q, k, v, g, do, hbuf, dhbuf, pbuf, gbuf, dq, dk, dg, dv, cu
     hdh = tl.zeros([BK], dtype=tl.float32)                 # <h_n, dh_{n+1}>_v
     for r in range(R):
         hq = i_h * R + r
-        b_qr = _load_rows(q + hq * K, t0, n_valid, H * K, k0, K, BT, BK)
-        q_e = _op(b_qr.to(tl.float32) * tl.exp2(G - a[None, :]), DOT_BF16)
+        b_qr = load_rows(q + hq * K, t0, n_valid, H * K, k0, K, BT, BK)
+        q_e = op(b_qr.to(tl.float32) * tl.exp2(G - a[None, :]), DOT_BF16)
         if WITH_DV:
-            b_do = _load_rows(do + hq * VO, t0, n_valid, H * VO, 0, V, BT, BV)
-            b_h = _load_state(hbuf + st_n, k0, 0, K, V, VS, BK, BV)
-            dP = _mm(b_do, tl.trans(b_v), DOT_BF16, PREC)
-            dq_h = _mm(b_do, tl.trans(b_h), DOT_BF16, PREC)
+            b_do = load_rows(do + hq * VO, t0, n_valid, H * VO, 0, V, BT, BV)
+            b_h = load_state(hbuf + st_n, k0, 0, K, V, VS, BK, BV)
+            dP = mm(b_do, tl.trans(b_v), DOT_BF16, PREC)
+            dq_h = mm(b_do, tl.trans(b_h), DOT_BF16, PREC)
             if ONE_PASS:
-                b_dh1 = _load_state(dhbuf + st_next, k0, 0, K, V, VS, BK, BV)
-                dk_inter += _mm(b_v, tl.trans(b_dh1), DOT_BF16, PREC)
+                b_dh1 = load_state(dhbuf + st_next, k0, 0, K, V, VS, BK, BV)
+                dk_inter += mm(b_v, tl.trans(b_dh1), DOT_BF16, PREC)
                 hdh += tl.sum(b_h * b_dh1, axis=1)
-                b_dv += _mm(b_kr.to(tl.float32) * tl.exp2(G_last[None, :] - G), b_dh1, DOT_BF16, PREC)
+                b_dv += mm(b_kr.to(tl.float32) * tl.exp2(G_last[None, :] - G), b_dh1, DOT_BF16, PREC)
             # dv's intra part first, so that P dies before dq and dk are built
             if LOAD_P:
-                P = _load_rows(pbuf + hq * BT, t0, n_valid, H * BT, 0, BT, BT, BT)
+                P = load_rows(pbuf + hq * BT, t0, n_valid, H * BT, 0, BT, BT, BT)
             else:
                 if fast:
-                    P = _mm(q_e, tl.trans(k_e), DOT_BF16, PREC)
+                    P = mm(q_e, tl.trans(k_e), DOT_BF16, PREC)
                 else:
-                    P = _scores_slow(b_qr.to(tl.float32), b_kr.to(tl.float32), gp, t0, n_valid,
-                                     Hkv * K, k0, K, BT, BK, DOT_BF16, PREC)
+                    P = scores_slow(b_qr.to(tl.float32), b_kr.to(tl.float32), gp, t0, n_valid,
+                                    Hkv * K, k0, K, BT, BK, DOT_BF16, PREC)
                 P = tl.where(rows[:, None] >= rows[None, :], P * scale, 0.0)
-            b_dv += _mm(tl.trans(P), b_do, DOT_BF16, PREC)
+            b_dv += mm(tl.trans(P), b_do, DOT_BF16, PREC)
         else:
             dP = tl.zeros([BT, BT], dtype=tl.float32)
             dq_h = tl.zeros([BT, BK], dtype=tl.float32)
             for i_v in range(NV):
-                b_do = _load_rows(do + hq * VO, t0, n_valid, H * VO, i_v * BV, V, BT, BV)
-                b_vt = _load_rows(vp, t0, n_valid, Hkv * V, i_v * BV, V, BT, BV)
-                b_h = _load_state(hbuf + st_n, k0, i_v * BV, K, V, VS, BK, BV)
-                dP += _mm(b_do, tl.trans(b_vt), DOT_BF16, PREC)
-                dq_h += _mm(b_do, tl.trans(b_h), DOT_BF16, PREC)
+                b_do = load_rows(do + hq * VO, t0, n_valid, H * VO, i_v * BV, V, BT, BV)
+                b_vt = load_rows(vp, t0, n_valid, Hkv * V, i_v * BV, V, BT, BV)
+                b_h = load_state(hbuf + st_n, k0, i_v * BV, K, V, VS, BK, BV)
+                dP += mm(b_do, tl.trans(b_vt), DOT_BF16, PREC)
+                dq_h += mm(b_do, tl.trans(b_h), DOT_BF16, PREC)
                 if ONE_PASS:
-                    b_dh1 = _load_state(dhbuf + st_next, k0, i_v * BV, K, V, VS, BK, BV)
-                    dk_inter += _mm(b_vt, tl.trans(b_dh1), DOT_BF16, PREC)
+                    b_dh1 = load_state(dhbuf + st_next, k0, i_v * BV, K, V, VS, BK, BV)
+                    dk_inter += mm(b_vt, tl.trans(b_dh1), DOT_BF16, PREC)
                     hdh += tl.sum(b_h * b_dh1, axis=1)
         if NORM:
             # v's implicit column of ones (state column z): dP_ij += dden_i, dq_h += dden z
-            dden = _load_den_grad(do + hq * VO, t0, n_valid, H * VO, V, BT)
+            dden = load_den_grad(do + hq * VO, t0, n_valid, H * VO, V, BT)
             dP += dden[:, None]
-            dq_h += dden[:, None] * _load_col(hbuf + st_n, k0, K, V, VS, BK)[None, :]
+            dq_h += dden[:, None] * load_col(hbuf + st_n, k0, K, V, VS, BK)[None, :]
         dP = dP * scale
         d = tl.sum(tl.where(diag, dP, 0.0), axis=1)        # [BT]
         dP = tl.where(strict, dP, 0.0)
         b_q = b_qr.to(tl.float32)
         if fast:
-            b_dq = ((dq_h * (tl.exp2(a) * scale)[None, :] + _mm(dP, k_e, DOT_BF16, PREC))
+            b_dq = ((dq_h * (tl.exp2(a) * scale)[None, :] + mm(dP, k_e, DOT_BF16, PREC))
                     * tl.exp2(G - a[None, :]))
-            dk_low = _mm(tl.trans(dP), q_e, DOT_BF16, PREC) * tl.exp2(a[None, :] - G)
+            dk_low = mm(tl.trans(dP), q_e, DOT_BF16, PREC) * tl.exp2(a[None, :] - G)
         else:
-            dq_s, dk_low = _dqk_slow(dP, b_q, b_kr.to(tl.float32), gp, t0, n_valid, Hkv * K, k0,
-                                     K, BT, BK, DOT_BF16, PREC)
+            dq_s, dk_low = dqk_slow(dP, b_q, b_kr.to(tl.float32), gp, t0, n_valid, Hkv * K, k0,
+                                    K, BT, BK, DOT_BF16, PREC)
             b_dq = dq_h * (tl.exp2(G) * scale) + dq_s
         b_k = b_kr.to(tl.float32)
         dg_acc += b_q * b_dq - b_k * dk_low
         dk_acc += dk_low + d[:, None] * b_q
-        _store_rows(dq + hq * K, b_dq + d[:, None] * b_k, t0, n_valid, H * K, k0, K, BT, BK)
+        store_rows(dq + hq * K, b_dq + d[:, None] * b_k, t0, n_valid, H * K, k0, K, BT, BK)
 
     # Inter-chunk part of dk (and dv), and <h_n, dh_{n+1}> over the whole V.
     e_end = tl.exp2(G_last[None, :] - G)                   # exponent <= 0 on both paths
     if not ONE_PASS:
         for i_v in range(NV):
-            b_vt = _load_rows(vp, t0, n_valid, Hkv * V, i_v * BV, V, BT, BV)
-            b_dh1 = _load_state(dhbuf + st_next, k0, i_v * BV, K, V, VS, BK, BV)
-            b_h = _load_state(hbuf + st_n, k0, i_v * BV, K, V, VS, BK, BV)
-            dk_inter += _mm(b_vt, tl.trans(b_dh1), DOT_BF16, PREC)
+            b_vt = load_rows(vp, t0, n_valid, Hkv * V, i_v * BV, V, BT, BV)
+            b_dh1 = load_state(dhbuf + st_next, k0, i_v * BV, K, V, VS, BK, BV)
+            b_h = load_state(hbuf + st_n, k0, i_v * BV, K, V, VS, BK, BV)
+            dk_inter += mm(b_vt, tl.trans(b_dh1), DOT_BF16, PREC)
             hdh += tl.sum(b_h * b_dh1, axis=1)
             if WITH_DV:
-                b_dv += _mm(b_kr.to(tl.float32) * e_end, b_dh1, DOT_BF16, PREC)
+                b_dv += mm(b_kr.to(tl.float32) * e_end, b_dh1, DOT_BF16, PREC)
     if NORM:
-        dz1 = _load_col(dhbuf + st_next, k0, K, V, VS, BK)
+        dz1 = load_col(dhbuf + st_next, k0, K, V, VS, BK)
         dk_inter += tl.where(rows < n_valid, 1.0, 0.0)[:, None] * dz1[None, :]
-        hdh += _load_col(hbuf + st_n, k0, K, V, VS, BK) * dz1
+        hdh += load_col(hbuf + st_n, k0, K, V, VS, BK) * dz1
     if WITH_DV:
-        _store_rows(dv + i_h * V, b_dv, t0, n_valid, Hkv * V, 0, V, BT, BV)
+        store_rows(dv + i_h * V, b_dv, t0, n_valid, Hkv * V, 0, V, BT, BV)
     dk_inter = dk_inter * e_end
-    _store_rows(dk + i_h * K, dk_acc + dk_inter, t0, n_valid, Hkv * K, k0, K, BT, BK)
+    store_rows(dk + i_h * K, dk_acc + dk_inter, t0, n_valid, Hkv * K, k0, K, BT, BK)
     b_dg = (tl.cumsum(dg_acc, axis=0, reverse=True)
-            + _excl_cumsum(b_kr.to(tl.float32) * dk_inter, BT)
+            + excl_cumsum(b_kr.to(tl.float32) * dk_inter, BT)
             + (tl.exp2(G_last) * hdh)[None, :])
-    _store_rows(dg + i_h * K, b_dg, t0, n_valid, Hkv * K, k0, K, BT, BK)
+    store_rows(dg + i_h * K, b_dg, t0, n_valid, Hkv * K, k0, K, BT, BK)
 
 
 @triton.jit
@@ -194,8 +193,8 @@ def _bwd_dv_kernel(q, k, g, do, dhbuf, pbuf, gbuf, dv, cu_seqlens, chunk_offsets
     i_v = tl.program_id(0)
     i_c = tl.program_id(1)
     i_h = tl.program_id(2)
-    i_n, i_t = _chunk_coords(i_c, chunk_indices, T, BT, IS_VARLEN)
-    bos, eos, c0 = _seq_bounds(i_n, cu_seqlens, chunk_offsets, T, BT, IS_VARLEN)
+    i_n, i_t = chunk_coords(i_c, chunk_indices, T, BT, IS_VARLEN)
+    bos, eos, c0 = seq_bounds(i_n, cu_seqlens, chunk_offsets, T, BT, IS_VARLEN)
     t0 = bos + i_t * BT
     n_valid = eos - t0
     v0 = i_v * BV
@@ -206,70 +205,70 @@ def _bwd_dv_kernel(q, k, g, do, dhbuf, pbuf, gbuf, dv, cu_seqlens, chunk_offsets
     gp = g + i_h * K
 
     if NK == 1:
-        b_k = _load_rows(kp, t0, n_valid, Hkv * K, 0, K, BT, BK).to(tl.float32)
-        G, G_last = _kept_gates(gbuf + i_h * K, t0, n_valid, Hkv * K, 0, K, BT, BK)
-        a = _anchor(G_last)
+        b_k = load_rows(kp, t0, n_valid, Hkv * K, 0, K, BT, BK).to(tl.float32)
+        G, G_last = kept_gates(gbuf + i_h * K, t0, n_valid, Hkv * K, 0, K, BT, BK)
+        a = anchor(G_last)
         e_q = tl.exp2(G - a[None, :])
-        fast = _is_fast(G_last)
+        fast = is_fast(G_last)
         if fast:
             k_e = b_k * tl.exp2(a[None, :] - G)
             k_end = k_e * tl.exp2(G_last - a)[None, :]
         else:
             k_e = b_k                                       # unused
             k_end = b_k * tl.exp2(G_last[None, :] - G)
-        k_e = _op(k_e, DOT_BF16)
+        k_e = op(k_e, DOT_BF16)
     if ALL_V > 0:
         if LOAD_P:
-            P = _op(tl.trans(_load_rows(pbuf + i_h * BT, t0, n_valid, H * BT, 0, BT, BT, BT)), DOT_BF16)
+            P = op(tl.trans(load_rows(pbuf + i_h * BT, t0, n_valid, H * BT, 0, BT, BT, BT)), DOT_BF16)
         else:
-            b_q = _load_rows(q + i_h * K, t0, n_valid, H * K, 0, K, BT, BK).to(tl.float32)
+            b_q = load_rows(q + i_h * K, t0, n_valid, H * K, 0, K, BT, BK).to(tl.float32)
             if fast:
-                P = _mm(b_q * e_q, tl.trans(k_e), DOT_BF16, PREC)
+                P = mm(b_q * e_q, tl.trans(k_e), DOT_BF16, PREC)
             else:
-                P = _scores_slow(b_q, b_k, gp, t0, n_valid, Hkv * K, 0, K, BT, BK, DOT_BF16, PREC)
-            P = _op(tl.trans(tl.where(causal, P * scale, 0.0)), DOT_BF16)
-        k_end = _op(k_end, DOT_BF16)
+                P = scores_slow(b_q, b_k, gp, t0, n_valid, Hkv * K, 0, K, BT, BK, DOT_BF16, PREC)
+            P = op(tl.trans(tl.where(causal, P * scale, 0.0)), DOT_BF16)
+        k_end = op(k_end, DOT_BF16)
         for i_v in range(ALL_V):
-            b_dh1 = _load_state(dhbuf + st_next, 0, i_v * BV, K, V, VS, BK, BV)
-            b_do = _load_rows(do + i_h * VO, t0, n_valid, H * VO, i_v * BV, V, BT, BV)
-            b_dv = _mm(k_end, b_dh1, DOT_BF16, PREC) + _mm(P, b_do, DOT_BF16, PREC)
-            _store_rows(dv + i_h * V, b_dv, t0, n_valid, Hkv * V, i_v * BV, V, BT, BV)
+            b_dh1 = load_state(dhbuf + st_next, 0, i_v * BV, K, V, VS, BK, BV)
+            b_do = load_rows(do + i_h * VO, t0, n_valid, H * VO, i_v * BV, V, BT, BV)
+            b_dv = mm(k_end, b_dh1, DOT_BF16, PREC) + mm(P, b_do, DOT_BF16, PREC)
+            store_rows(dv + i_h * V, b_dv, t0, n_valid, Hkv * V, i_v * BV, V, BT, BV)
     elif NK == 1:
-        b_dh1 = _load_state(dhbuf + st_next, 0, v0, K, V, VS, BK, BV)
-        b_dv = _mm(k_end, b_dh1, DOT_BF16, PREC)
+        b_dh1 = load_state(dhbuf + st_next, 0, v0, K, V, VS, BK, BV)
+        b_dv = mm(k_end, b_dh1, DOT_BF16, PREC)
         for r in range(R):
             hq = i_h * R + r
             if LOAD_P:
-                P = _load_rows(pbuf + hq * BT, t0, n_valid, H * BT, 0, BT, BT, BT)
+                P = load_rows(pbuf + hq * BT, t0, n_valid, H * BT, 0, BT, BT, BT)
             else:
-                b_q = _load_rows(q + hq * K, t0, n_valid, H * K, 0, K, BT, BK).to(tl.float32)
+                b_q = load_rows(q + hq * K, t0, n_valid, H * K, 0, K, BT, BK).to(tl.float32)
                 if fast:
-                    P = _mm(b_q * e_q, tl.trans(k_e), DOT_BF16, PREC)
+                    P = mm(b_q * e_q, tl.trans(k_e), DOT_BF16, PREC)
                 else:
-                    P = _scores_slow(b_q, b_k, gp, t0, n_valid, Hkv * K, 0, K, BT, BK, DOT_BF16, PREC)
+                    P = scores_slow(b_q, b_k, gp, t0, n_valid, Hkv * K, 0, K, BT, BK, DOT_BF16, PREC)
                 P = tl.where(causal, P * scale, 0.0)
-            b_do = _load_rows(do + hq * VO, t0, n_valid, H * VO, v0, V, BT, BV)
-            b_dv += _mm(tl.trans(P), b_do, DOT_BF16, PREC)
+            b_do = load_rows(do + hq * VO, t0, n_valid, H * VO, v0, V, BT, BV)
+            b_dv += mm(tl.trans(P), b_do, DOT_BF16, PREC)
     else:
         b_dv = tl.zeros([BT, BV], dtype=tl.float32)
         for i_k in range(NK):
-            b_k = _load_rows(kp, t0, n_valid, Hkv * K, i_k * BK, K, BT, BK).to(tl.float32)
-            G, G_last = _gates(gp, t0, n_valid, Hkv * K, i_k * BK, K, BT, BK)
-            b_dh1 = _load_state(dhbuf + st_next, i_k * BK, v0, K, V, VS, BK, BV)
-            b_dv += _mm(b_k * tl.exp2(G_last[None, :] - G), b_dh1, DOT_BF16, PREC)
+            b_k = load_rows(kp, t0, n_valid, Hkv * K, i_k * BK, K, BT, BK).to(tl.float32)
+            G, G_last = gates(gp, t0, n_valid, Hkv * K, i_k * BK, K, BT, BK)
+            b_dh1 = load_state(dhbuf + st_next, i_k * BK, v0, K, V, VS, BK, BV)
+            b_dv += mm(b_k * tl.exp2(G_last[None, :] - G), b_dh1, DOT_BF16, PREC)
         for r in range(R):
             hq = i_h * R + r
             qp = q + hq * K
             if LOAD_P:
-                P = _load_rows(pbuf + hq * BT, t0, n_valid, H * BT, 0, BT, BT, BT).to(tl.float32)
+                P = load_rows(pbuf + hq * BT, t0, n_valid, H * BT, 0, BT, BT, BT).to(tl.float32)
             else:
                 P = tl.zeros([BT, BT], dtype=tl.float32)
                 for i_k in range(NK):
-                    p, _, _ = _score_tile(qp, kp, gp, t0, n_valid, i_k * BK, H, Hkv, K, BT, BK,
-                                          DOT_BF16, PREC)
+                    p, _, _ = score_tile(qp, kp, gp, t0, n_valid, i_k * BK, H, Hkv, K, BT, BK,
+                                         DOT_BF16, PREC)
                     P += p
                 P = tl.where(causal, P * scale, 0.0)
-            b_do = _load_rows(do + hq * VO, t0, n_valid, H * VO, v0, V, BT, BV)
-            b_dv += _mm(tl.trans(P), b_do, DOT_BF16, PREC)
+            b_do = load_rows(do + hq * VO, t0, n_valid, H * VO, v0, V, BT, BV)
+            b_dv += mm(tl.trans(P), b_do, DOT_BF16, PREC)
     if ALL_V == 0:
-        _store_rows(dv + i_h * V, b_dv, t0, n_valid, Hkv * V, v0, V, BT, BV)
+        store_rows(dv + i_h * V, b_dv, t0, n_valid, Hkv * V, v0, V, BT, BV)

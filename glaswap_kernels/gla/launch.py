@@ -1,6 +1,7 @@
-"""What the GLA kernels launch: input checks, packed-sequence metadata and the launch rules.
+"""What the GLA kernels launch: input checks and the launch rules (the packed-sequence metadata
+is glaswap_kernels/utils.py's varlen_meta).
 
-`_Config` is the table of launch rules (tiles, warps, pipelining stages, which path each
+`LaunchConfig` is the table of launch rules (tiles, warps, pipelining stages, which path each
 kernel takes) for one call; `plan_segments` decides how the sequential passes split long
 sequences. Each rule says why in one line; the measurements behind them live in
 benchmarks/README.md. Tuning runs (benchmarks/bench_kernels.py --set KEY=VALUE) replace
@@ -11,12 +12,14 @@ from __future__ import annotations
 
 import torch
 
-from ..utils import _cdiv, _interpreting, _next_pow2, _num_sms
+from ..utils import cdiv, interpreting, next_pow2, num_sms, remember
 
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
-def _check(q, k, v, g, initial_state, cu_seqlens, chunked: bool, normalizer: bool = False):
+def check_gla_inputs(q, k, v, g, initial_state, cu_seqlens, chunked: bool, normalizer: bool = False):
+    """Shapes, dtypes and devices of a GLA kernel call, one-line ValueErrors (the values of
+    cu_seqlens are checked where they are read: varlen_meta). Returns (B, T, H, Hkv, K, V, N)."""
     for name, x in (("q", q), ("k", k), ("v", v), ("g", g)):
         if not isinstance(x, torch.Tensor) or x.ndim != 4:
             raise ValueError(f"{name} must be a 4-D tensor [B, T, heads, dim], got "
@@ -42,7 +45,7 @@ def _check(q, k, v, g, initial_state, cu_seqlens, chunked: bool, normalizer: boo
     devices = {x.device for x in (q, k, v, g)}
     if len(devices) != 1:
         raise ValueError(f"q, k, v, g must be on one device, got {sorted(map(str, devices))}")
-    if not (q.is_cuda or _interpreting()):
+    if not (q.is_cuda or interpreting()):
         raise ValueError(f"Triton GLA kernels need CUDA tensors (or TRITON_INTERPRET=1), got {q.device}")
     if T == 0 or B == 0:
         raise ValueError("empty batch or sequence")
@@ -62,77 +65,8 @@ def _check(q, k, v, g, initial_state, cu_seqlens, chunked: bool, normalizer: boo
     return B, T, H, Hkv, K, V, N
 
 
-def _row_stride(x):
-    """The distance between consecutive rows (last dimension) of x when x is a row-padded
-    view: unit stride in the last dimension and every other dimension laid out as in a
-    contiguous tensor of rows that wide. None otherwise."""
-    rs = x.stride(-1) == 1 and x.dim() >= 2 and x.stride(-2)
-    if not rs or rs < x.shape[-1]:
-        return None
-    expect = rs
-    for i in range(x.dim() - 2, -1, -1):
-        if x.shape[i] > 1 and x.stride(i) != expect:
-            return None
-        expect *= x.shape[i]
-    return rs
-
-
-def _state_stride(V: int, normalizer) -> int:
-    """Row stride of the internal chunk-state buffers. With the normaliser a state row is
-    V + 1 wide; an odd stride (65) misaligns every row after the first, so no state tile
-    load or store can use 16-byte vectors. Rows are padded to a multiple of 8 elements
-    (the pad columns are never read)."""
-    if not normalizer:
-        return V
-    return _cdiv(V + 1, 8) * 8
-
-
-# A converted model calls the kernel once per layer with the same cu_seqlens tensor. Sizing
-# the grid needs its values on the host, and copying them there waits for every kernel queued
-# before (the launch queue drains once per layer). So the metadata of the last few cu_seqlens
-# tensors is kept, keyed by the tensor itself (a strong reference, so its id cannot be reused
-# while cached) and its version counter (bumped by any in-place change).
-_VARLEN_MEMO: dict = {}
+# Segment plans of packed documents, by chunk counts (see LaunchConfig.plan_segments).
 _SEGMENT_MEMO: dict = {}
-_MEMO_SIZE = 4
-
-
-def _remember(memo: dict, key, value):
-    """memo[key] = value, dropping the oldest entry when the memo is full."""
-    if len(memo) >= _MEMO_SIZE:
-        memo.pop(next(iter(memo)))
-    memo[key] = value
-    return value
-
-
-def _varlen_meta(cu_seqlens, T, BT, device):
-    """chunk_offsets [N+1] (chunks before each sequence) and chunk_indices [NTtot, 2]
-    (sequence, chunk within it), int32 on the device, plus the chunk total and the chunk
-    count of every sequence (host list); computed once per cu_seqlens tensor (see above)."""
-    key = (id(cu_seqlens), cu_seqlens._version, T, BT, str(device))
-    hit = _VARLEN_MEMO.get(key)
-    if hit is not None and hit[0] is cu_seqlens:
-        return hit[1]
-    meta = _varlen_meta_uncached(cu_seqlens, T, BT, device)
-    _remember(_VARLEN_MEMO, key, (cu_seqlens, meta))
-    return meta
-
-
-def _varlen_meta_uncached(cu_seqlens, T, BT, device):
-    """What _varlen_meta returns; one host sync to size the grid."""
-    cu = cu_seqlens.detach().to("cpu", torch.int64)
-    lens = cu[1:] - cu[:-1]
-    if int(cu[0]) != 0 or int(cu[-1]) != T or bool((lens < 0).any()):
-        raise ValueError(f"cu_seqlens must start at 0, never decrease and end at T={T}")
-    n_chunks = (lens + BT - 1) // BT
-    offsets = torch.zeros(len(lens) + 1, dtype=torch.int64)
-    offsets[1:] = torch.cumsum(n_chunks, 0)
-    total = int(offsets[-1])
-    seq = torch.repeat_interleave(torch.arange(len(lens)), n_chunks)
-    within = torch.arange(total) - torch.repeat_interleave(offsets[:-1], n_chunks)
-    indices = torch.stack([seq, within], dim=1).to(torch.int32).contiguous()
-    return (cu.to(device=device, dtype=torch.int32), offsets.to(device=device, dtype=torch.int32),
-            indices.to(device), total, tuple(n_chunks.tolist()))
 
 
 class _Segments:
@@ -165,7 +99,7 @@ class _Segments:
         return self.seg_len > 0
 
 
-class _Config:
+class LaunchConfig:
     """The launch rules of one fused_chunk_gla call. Kernel families: *_seq the sequential
     state passes (state.py), *_o the output kernel (and the dv kernel's K tile), *_g the
     dq/dk/dg kernel, *_dv the dv kernel. `tiles`, `chunk` (tests) force the tile sizes and
@@ -173,10 +107,10 @@ class _Config:
 
     def __init__(self, B, T, H, Hkv, K, V, N, dtype, device, tiles=None, chunk=None,
                  normalizer=False, overrides=None):
-        np2 = _next_pow2
+        np2 = next_pow2
         bf16 = dtype == torch.bfloat16
         gqa = H > Hkv
-        sms = _num_sms(device)
+        sms = num_sms(device)
         self.dot_bf16 = bf16
         # fp32 inputs get exact fp32 products; fp16 inputs tf32 (10-bit mantissa, like fp16)
         self.prec = "ieee" if dtype == torch.float32 else "tf32"
@@ -254,12 +188,12 @@ class _Config:
         # tiles of 128 would not) one unsegmented walk per SM on 8 warps wins.
         if tiles is None and bf16 and 64 < V <= 128 and not normalizer and not gqa:
             def walks(bv):
-                return (B if N is None else N) * Hkv * _cdiv(K, self.BK_seq) * _cdiv(V, bv)
+                return (B if N is None else N) * Hkv * cdiv(K, self.BK_seq) * cdiv(V, bv)
             if walks(np2(V)) > self.seg_max_walks:
                 self.BV_seq, self.warps_seq, self.warps_dh = np2(V), 8, 4
             elif walks(self.BV_seq) > self.seg_max_walks:
                 self.BV_seq, self.seg_len, self.warps_seq, self.warps_dh = np2(V), 0, 8, 8
-            elif _cdiv(T, self.BT) > 2 * self.seg_min:
+            elif cdiv(T, self.BT) > 2 * self.seg_min:
                 self.BV_seq, self.warps_seq, self.warps_dh = np2(V), 8, 4
         # dv reading the kept scores fits one V tile of up to 128 without spilling
         if self.keep_p and tiles is None and 64 < V <= 128 and K <= 128 and not gqa:
@@ -269,10 +203,10 @@ class _Config:
             if not hasattr(self, name):
                 raise ValueError(f"unknown launch parameter {name!r}")
             setattr(self, name, value)
-        self.NK_o, self.NV_o = _cdiv(K, self.BK_o), _cdiv(V, self.BV_o)
-        self.NK_g, self.NV_g = _cdiv(K, self.BK_g), _cdiv(V, self.BV_g)
-        self.NK_seq, self.NV_seq = _cdiv(K, self.BK_seq), _cdiv(V, self.BV_seq)
-        self.NV_dv = _cdiv(V, self.BV_dv)
+        self.NK_o, self.NV_o = cdiv(K, self.BK_o), cdiv(V, self.BV_o)
+        self.NK_g, self.NV_g = cdiv(K, self.BK_g), cdiv(V, self.BV_g)
+        self.NK_seq, self.NV_seq = cdiv(K, self.BK_seq), cdiv(V, self.BV_seq)
+        self.NV_dv = cdiv(V, self.BV_dv)
         # dv inside the dq/dk/dg kernel when one program sees all of K and V (no second
         # read of q, k, g, do)
         self.merge_dv = self.NK_g == 1 and self.NV_g == 1
@@ -287,8 +221,8 @@ class _Config:
             nt_max = max(n_chunks, default=0)
             walks = len(n_chunks) * Hkv * self.NK_seq * self.NV_seq
             if walks <= self.seg_max_walks and nt_max > 2 * self.seg_min:
-                per_seq = _cdiv(self.seg_programs, walks)
-                seg_len = max(self.seg_min, _cdiv(nt_max, per_seq))
+                per_seq = cdiv(self.seg_programs, walks)
+                seg_len = max(self.seg_min, cdiv(nt_max, per_seq))
                 if seg_len >= nt_max:
                     seg_len = 0
         if not (varlen and seg_len):
@@ -298,5 +232,5 @@ class _Config:
         key = (tuple(n_chunks), seg_len, str(device))
         seg = _SEGMENT_MEMO.get(key)
         if seg is None:
-            seg = _remember(_SEGMENT_MEMO, key, _Segments(seg_len, n_chunks, varlen, device))
+            seg = remember(_SEGMENT_MEMO, key, _Segments(seg_len, n_chunks, varlen, device))
         return seg

@@ -13,8 +13,8 @@ try:
 except ImportError:
     raise
 
-from .launch import _check
-from ..utils import _cdiv, _load_state, _new, _next_pow2, _store_state
+from ..utils import cdiv, load_state, new, next_pow2, store_state
+from .launch import check_gla_inputs
 
 
 @triton.jit
@@ -34,7 +34,7 @@ def _recurrent_kernel(q, k, v, g, o, h0, ht, T, scale,
     mv = rv < V
     b_h = tl.zeros([BK, BV], dtype=tl.float32)
     if USE_H0:
-        b_h += _load_state(h0 + i_nh.to(tl.int64) * K * V, 0, i_v * BV, K, V, V, BK, BV)
+        b_h += load_state(h0 + i_nh.to(tl.int64) * K * V, 0, i_v * BV, K, V, V, BK, BV)
     for t in range(T):
         row = i_n.to(tl.int64) * T + t
         b_k = tl.load(k + row * Hkv * K + i_h * K + rk, mask=mk, other=0.0).to(tl.float32)
@@ -47,22 +47,22 @@ def _recurrent_kernel(q, k, v, g, o, h0, ht, T, scale,
             b_o = tl.sum(b_q[:, None] * b_h, axis=0) * scale
             tl.store(o + row * H * V + hq * V + rv, b_o.to(o.dtype.element_ty), mask=mv)
     if STORE_HT:
-        _store_state(ht + i_nh.to(tl.int64) * K * V, b_h, 0, i_v * BV, K, V, V, BK, BV)
+        store_state(ht + i_nh.to(tl.int64) * K * V, b_h, 0, i_v * BV, K, V, V, BK, BV)
 
 
 def fused_recurrent_gla(q, k, v, g, scale=None, initial_state=None, output_final_state=False):
     """Token-by-token GLA (forward only; generation, T usually 1). Same shapes as
     fused_chunk_gla without cu_seqlens. Returns (o, final state float32 or None)."""
-    B, T, H, Hkv, K, V, N = _check(q, k, v, g, initial_state, None, chunked=False)
+    B, T, H, Hkv, K, V, N = check_gla_inputs(q, k, v, g, initial_state, None, chunked=False)
     scale = K ** -0.5 if scale is None else float(scale)
     q, k, v, g = (x.contiguous() for x in (q, k, v, g))
     h0 = None if initial_state is None else initial_state.contiguous()
-    o = _new((B, T, H, V), q.dtype, q.device)
-    ht = _new((B, Hkv, K, V), torch.float32, q.device) if output_final_state else None
-    BK = _next_pow2(K)
+    o = new((B, T, H, V), q.dtype, q.device)
+    ht = new((B, Hkv, K, V), torch.float32, q.device) if output_final_state else None
+    BK = next_pow2(K)
     # The state tile is [K, BV] fp32 in registers: keep it at <= 8K elements.
-    BV = min(max(16, _next_pow2(V)), max(16, 8192 // BK))
-    _recurrent_kernel[(_cdiv(V, BV), B * Hkv)](
+    BV = min(max(16, next_pow2(V)), max(16, 8192 // BK))
+    _recurrent_kernel[(cdiv(V, BV), B * Hkv)](
         q, k, v, g, o, h0, ht, T, scale,
         H=H, Hkv=Hkv, K=K, V=V, BK=BK, BV=BV, R=H // Hkv,
         USE_H0=h0 is not None, STORE_HT=bool(output_final_state),

@@ -21,7 +21,7 @@ try:
 except ImportError:
     raise
 
-from ..utils import _load_rows, _mm
+from ..utils import load_rows, mm
 
 _LOG2E = tl.constexpr(1.4426950408889634)
 # Largest exponent, in log2 units (2^80 ~ e^55), that one factor of a factorised score may
@@ -35,7 +35,7 @@ _FAST = tl.constexpr(160.0)
 
 
 @triton.jit
-def _anchor(G_last):
+def anchor(G_last):
     """The per-channel anchor of the factorised scores [BK]: the midpoint of the chunk's
     decay on the one-matmul path, rounded down to an integer so that scaling by 2^a is exact,
     and floored at -SAFE so that 2^{G-a} (<= 2^SAFE) and 2^a (>= 2^-SAFE) stay finite on
@@ -44,16 +44,16 @@ def _anchor(G_last):
 
 
 @triton.jit
-def _is_fast(G_last):
+def is_fast(G_last):
     """Whether a tile's chunk takes the one-matmul path (a scalar, uniform in the program)."""
     return tl.max(-G_last, axis=0) < _FAST
 
 
 @triton.jit
-def _gates(gp, t0, n_valid, stride_t, c0, K: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr):
+def gates(gp, t0, n_valid, stride_t, c0, K: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr):
     """In-chunk cumulative log2-decay G [BT, BK] and its last value G_last [BK], fp32.
     Masked rows have g = 0, so the sum over all rows is G at the last valid token."""
-    b_g = _load_rows(gp, t0, n_valid, stride_t, c0, K, BT, BK)
+    b_g = load_rows(gp, t0, n_valid, stride_t, c0, K, BT, BK)
     return _cum_gates(b_g)
 
 
@@ -65,15 +65,15 @@ def _cum_gates(b_g):
 
 
 @triton.jit
-def _kept_gates(Gp, t0, n_valid, stride_t, c0, K: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr):
-    """(G, G_last) as _gates gives them, read from the copy _chunk_gates_kernel keeps (fp32,
+def kept_gates(Gp, t0, n_valid, stride_t, c0, K: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr):
+    """(G, G_last) as gates gives them, read from the copy _chunk_gates_kernel keeps (fp32,
     log2 units, cumulative within each chunk) instead of rebuilt from g: the in-chunk scan
     runs across the warps through shared memory, a large share of the instructions of the
     sequential passes and the dv kernel. Rows past the end get G_last, as a cumulative sum
     over their zero gates would."""
     rows = tl.arange(0, BT)
     cols = c0 + tl.arange(0, BK)
-    G = _load_rows(Gp, t0, n_valid, stride_t, c0, K, BT, BK).to(tl.float32)
+    G = load_rows(Gp, t0, n_valid, stride_t, c0, K, BT, BK).to(tl.float32)
     last = tl.minimum(n_valid, BT) - 1
     # (cols * 0 + last): the scalar test as a block, which the interpreter's mask needs
     G_last = tl.load(Gp + (t0 + tl.maximum(last, 0)) * stride_t + cols,
@@ -83,7 +83,7 @@ def _kept_gates(Gp, t0, n_valid, stride_t, c0, K: tl.constexpr, BT: tl.constexpr
 
 
 @triton.jit
-def _excl_cumsum(x, BT: tl.constexpr):
+def excl_cumsum(x, BT: tl.constexpr):
     """Exclusive cumulative sum over rows: out_s = sum_{j<s} x_j. The shift is a gather so
     the result never subtracts a large x_s from an inclusive sum."""
     rows = tl.arange(0, BT)
@@ -122,15 +122,15 @@ def _score_rows(P, b_q, b_k, G, rows, lo, hi):
 @triton.jit
 def _block_scores(b_q, b_k, G, in_blk, r, DOT_BF16: tl.constexpr, PREC: tl.constexpr):
     """The rows in_blk of P, factorised around the block's first row r:
-    (q_i 2^{G_i - r}) (k_j 2^{r - G_j}); other rows come out zero (see _scores_slow)."""
+    (q_i 2^{G_i - r}) (k_j 2^{r - G_j}); other rows come out zero (see scores_slow)."""
     q_f = tl.where(in_blk[:, None], b_q * tl.exp2(tl.minimum(G - r[None, :], 0.0)), 0.0)
     k_f = b_k * tl.exp2(tl.minimum(r[None, :] - G, _SAFE))
-    return _mm(q_f, tl.trans(k_f), DOT_BF16, PREC)
+    return mm(q_f, tl.trans(k_f), DOT_BF16, PREC)
 
 
 @triton.jit
-def _scores_slow(b_q, b_k, gp, t0, n_valid, stride_t, c0, K: tl.constexpr,
-                 BT: tl.constexpr, BK: tl.constexpr, DOT_BF16: tl.constexpr, PREC: tl.constexpr):
+def scores_slow(b_q, b_k, gp, t0, n_valid, stride_t, c0, K: tl.constexpr,
+                BT: tl.constexpr, BK: tl.constexpr, DOT_BF16: tl.constexpr, PREC: tl.constexpr):
     """P_ij = sum_k q_ik k_jk 2^{G_ik - G_jk} for one K tile whose chunk decays too much for
     one factorisation (some channel loses more than 2^SAFE over the chunk). Entries j > i
     are finite garbage that the caller masks; g is reloaded so that the fast path does not
@@ -143,7 +143,7 @@ def _scores_slow(b_q, b_k, gp, t0, n_valid, stride_t, c0, K: tl.constexpr,
     an H200); a block too steep for it is masked out of it (in_blk & ok) and redone row by
     row, a branch with no matmul in it. A block's product only writes its own rows, so its
     fix-up can follow it directly."""
-    G, _ = _gates(gp, t0, n_valid, stride_t, c0, K, BT, BK)
+    G, _ = gates(gp, t0, n_valid, stride_t, c0, K, BT, BK)
     rows = tl.arange(0, BT)
     P = tl.zeros([BT, BT], dtype=tl.float32)
     SB: tl.constexpr = 16 if BT > 16 else BT
@@ -158,7 +158,7 @@ def _scores_slow(b_q, b_k, gp, t0, n_valid, stride_t, c0, K: tl.constexpr,
 
 @triton.jit
 def _dqk_rows(dq, dk, dP, b_q, b_k, G, rows, lo, hi):
-    """The rows lo..hi-1 of dP in _dqk_slow, one at a time, every exponent clamped to <= 0."""
+    """The rows lo..hi-1 of dP in dqk_slow, one at a time, every exponent clamped to <= 0."""
     for i in range(lo, hi):
         sel = rows == i
         q_i = tl.sum(tl.where(sel[:, None], b_q, 0.0), axis=0)
@@ -178,21 +178,21 @@ def _block_dqk(dP, b_q, b_k, G, in_blk, r, DOT_BF16: tl.constexpr, PREC: tl.cons
     # the factors are recomputed at each use: exps are cheaper than spilled tiles
     dP_b = tl.where(in_blk[:, None], dP, 0.0)
     dq = (tl.where(in_blk[:, None], tl.exp2(tl.minimum(G - r[None, :], 0.0)), 0.0)
-          * _mm(dP_b, b_k * tl.exp2(tl.minimum(r[None, :] - G, _SAFE)), DOT_BF16, PREC))
+          * mm(dP_b, b_k * tl.exp2(tl.minimum(r[None, :] - G, _SAFE)), DOT_BF16, PREC))
     q_f = tl.where(in_blk[:, None], b_q * tl.exp2(tl.minimum(G - r[None, :], 0.0)), 0.0)
-    dk = tl.exp2(tl.minimum(r[None, :] - G, _SAFE)) * _mm(tl.trans(dP_b), q_f, DOT_BF16, PREC)
+    dk = tl.exp2(tl.minimum(r[None, :] - G, _SAFE)) * mm(tl.trans(dP_b), q_f, DOT_BF16, PREC)
     return dq, dk
 
 
 @triton.jit
-def _dqk_slow(dP, b_q, b_k, gp, t0, n_valid, stride_t, c0, K: tl.constexpr,
-              BT: tl.constexpr, BK: tl.constexpr, DOT_BF16: tl.constexpr, PREC: tl.constexpr):
+def dqk_slow(dP, b_q, b_k, gp, t0, n_valid, stride_t, c0, K: tl.constexpr,
+             BT: tl.constexpr, BK: tl.constexpr, DOT_BF16: tl.constexpr, PREC: tl.constexpr):
     """Intra-chunk dq_i = sum_{j<=i} dP_ij k_j 2^{G_i - G_j} and dk_j = sum_{i>=j} dP_ij q_i 2^{G_i - G_j}
     (dP must be causally masked: its zeros stand in for the mask), in the row blocks of
-    _scores_slow: dq_B = 2^{G_B - r} (dP_B @ k 2^{r - G}) and dk += 2^{r - G} (dP_B^T @ q_B 2^{G_B - r});
+    scores_slow: dq_B = 2^{G_B - r} (dP_B @ k 2^{r - G}) and dk += 2^{r - G} (dP_B^T @ q_B 2^{G_B - r});
     a steep block's dP rows are masked out of the products (its dk share too) and redone
     one at a time."""
-    G, _ = _gates(gp, t0, n_valid, stride_t, c0, K, BT, BK)
+    G, _ = gates(gp, t0, n_valid, stride_t, c0, K, BT, BK)
     rows = tl.arange(0, BT)
     dq = tl.zeros([BT, BK], dtype=tl.float32)
     dk = tl.zeros([BT, BK], dtype=tl.float32)
@@ -208,18 +208,18 @@ def _dqk_slow(dP, b_q, b_k, gp, t0, n_valid, stride_t, c0, K: tl.constexpr,
 
 
 @triton.jit
-def _score_tile(qp, kp, gp, t0, n_valid, k0, H: tl.constexpr, Hkv: tl.constexpr,
-                K: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, DOT_BF16: tl.constexpr,
-                PREC: tl.constexpr):
+def score_tile(qp, kp, gp, t0, n_valid, k0, H: tl.constexpr, Hkv: tl.constexpr,
+               K: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, DOT_BF16: tl.constexpr,
+               PREC: tl.constexpr):
     """One K tile's share of the scores P (entries above the diagonal are garbage for the
     caller to mask), factorised on tensor cores around the midpoint anchor when the tile's
-    decay allows it, else in blocks (_scores_slow); also returns the tile's q and G."""
-    b_q = _load_rows(qp, t0, n_valid, H * K, k0, K, BT, BK).to(tl.float32)
-    b_k = _load_rows(kp, t0, n_valid, Hkv * K, k0, K, BT, BK).to(tl.float32)
-    G, G_last = _gates(gp, t0, n_valid, Hkv * K, k0, K, BT, BK)
-    if _is_fast(G_last):
-        a = _anchor(G_last)[None, :]
-        p = _mm(b_q * tl.exp2(G - a), tl.trans(b_k * tl.exp2(a - G)), DOT_BF16, PREC)
+    decay allows it, else in blocks (scores_slow); also returns the tile's q and G."""
+    b_q = load_rows(qp, t0, n_valid, H * K, k0, K, BT, BK).to(tl.float32)
+    b_k = load_rows(kp, t0, n_valid, Hkv * K, k0, K, BT, BK).to(tl.float32)
+    G, G_last = gates(gp, t0, n_valid, Hkv * K, k0, K, BT, BK)
+    if is_fast(G_last):
+        a = anchor(G_last)[None, :]
+        p = mm(b_q * tl.exp2(G - a), tl.trans(b_k * tl.exp2(a - G)), DOT_BF16, PREC)
     else:
-        p = _scores_slow(b_q, b_k, gp, t0, n_valid, Hkv * K, k0, K, BT, BK, DOT_BF16, PREC)
+        p = scores_slow(b_q, b_k, gp, t0, n_valid, Hkv * K, k0, K, BT, BK, DOT_BF16, PREC)
     return p, b_q, G

@@ -9,7 +9,7 @@
 These are the only sequential parts of the chunk algorithm. A pass walks one sequence per
 (K tile, V tile, KV head); when that leaves SMs idle (few long sequences) every sequence is
 cut into S segments walked in parallel from a zero state, then the combine and fix-up
-kernels add the missing 2^decay * (true start) terms (launch._Config.plan_segments).
+kernels add the missing 2^decay * (true start) terms (launch.LaunchConfig.plan_segments).
 """
 
 from __future__ import annotations
@@ -20,9 +20,9 @@ try:
 except ImportError:
     raise
 
-from .scores import _kept_gates
-from ..utils import (_chunk_coords, _load_col, _load_den_grad, _load_rows, _load_state,
-                             _mm, _seq_bounds, _store_col, _store_state)
+from ..utils import (chunk_coords, load_col, load_den_grad, load_rows, load_state, mm, seq_bounds,
+                     store_col, store_state)
+from .scores import kept_gates
 
 
 @triton.jit
@@ -45,7 +45,7 @@ def _walk_range(seg_indices, n_seg, cu_seqlens, chunk_offsets, T, seg_len, Hkv: 
     else:
         i_n = i_sg
         i_s = i_sg * 0
-    bos, eos, c0 = _seq_bounds(i_n, cu_seqlens, chunk_offsets, T, BT, IS_VARLEN)
+    bos, eos, c0 = seq_bounds(i_n, cu_seqlens, chunk_offsets, T, BT, IS_VARLEN)
     NT = tl.cdiv(eos - bos, BT)
     if SEGMENTED:
         t_first = i_s * seg_len
@@ -94,65 +94,65 @@ def _fwd_state_kernel(k, v, h0, ht, hbuf, dec, segend, cu_seqlens, chunk_offsets
     b_h = tl.zeros([BK, BV], dtype=tl.float32)
     if USE_H0:
         if i_s == 0:
-            b_h += _load_state(h0 + i_nh.to(tl.int64) * K * VU, k0, v0, K, V, VU, BK, BV)
+            b_h += load_state(h0 + i_nh.to(tl.int64) * K * VU, k0, v0, K, V, VU, BK, BV)
     # NORM: the normaliser's state z (column V: v's implicit column of ones), carried by
     # the V-tile-0 programs; z_next = 2^{G_last} z + sum_j k_j 2^{G_last - G_j}
     b_z = tl.zeros([BK], dtype=tl.float32)
     if NORM:
         if USE_H0:
             if i_s == 0:
-                b_z += _load_col(h0 + i_nh.to(tl.int64) * K * VU, k0, K, V, VU, BK)
+                b_z += load_col(h0 + i_nh.to(tl.int64) * K * VU, k0, K, V, VU, BK)
     b_d = tl.zeros([BK], dtype=tl.float32)                 # log2 decay since t_first
     kp = k + i_h * K
     Gp = gbuf + i_h * K
     vp = v + i_h * V
     # first chunk (all masked when the sequence is empty)
     t1 = bos + t_first * BT
-    n_k = _load_rows(kp, t1, eos - t1, Hkv * K, k0, K, BT, BK)
-    n_G, n_Gl = _kept_gates(Gp, t1, eos - t1, Hkv * K, k0, K, BT, BK)
-    n_v = _load_rows(vp, t1, eos - t1, Hkv * V, v0, V, BT, BV)
+    n_k = load_rows(kp, t1, eos - t1, Hkv * K, k0, K, BT, BK)
+    n_G, n_Gl = kept_gates(Gp, t1, eos - t1, Hkv * K, k0, K, BT, BK)
+    n_v = load_rows(vp, t1, eos - t1, Hkv * V, v0, V, BT, BV)
     for i_t in range(t_first, t_end):
         b_k = n_k.to(tl.float32)
         G = n_G
         G_last = n_Gl
         b_v = n_v
         t1 = bos + (i_t + 1) * BT                         # next chunk (masked past the end)
-        n_k = _load_rows(kp, t1, eos - t1, Hkv * K, k0, K, BT, BK)
-        n_G, n_Gl = _kept_gates(Gp, t1, eos - t1, Hkv * K, k0, K, BT, BK)
-        n_v = _load_rows(vp, t1, eos - t1, Hkv * V, v0, V, BT, BV)
+        n_k = load_rows(kp, t1, eos - t1, Hkv * K, k0, K, BT, BK)
+        n_G, n_Gl = kept_gates(Gp, t1, eos - t1, Hkv * K, k0, K, BT, BK)
+        n_v = load_rows(vp, t1, eos - t1, Hkv * V, v0, V, BT, BV)
 
         slot = c0 + i_n + i_t
         if (i_t > t_first) | (i_s == 0):
-            _store_state(hbuf + (slot * Hkv + i_h) * K * VS, b_h, k0, v0, K, V, VS, BK, BV)
+            store_state(hbuf + (slot * Hkv + i_h) * K * VS, b_h, k0, v0, K, V, VS, BK, BV)
             if NORM:
                 if i_v == 0:
-                    _store_col(hbuf + (slot * Hkv + i_h) * K * VS, b_z, k0, K, V, VS, BK)
+                    store_col(hbuf + (slot * Hkv + i_h) * K * VS, b_z, k0, K, V, VS, BK)
         if SEGMENTED:
             if (i_v == 0) & (i_t > t_first):
                 _store_dec(dec, slot, i_h, b_d, k0, Hkv, K, BK)
             b_d += G_last
         # k decayed to the chunk end: exponent G_last - G <= 0.
         k_end = b_k * tl.exp2(G_last[None, :] - G)
-        b_h = b_h * tl.exp2(G_last)[:, None] + _mm(tl.trans(k_end), b_v, DOT_BF16, PREC)
+        b_h = b_h * tl.exp2(G_last)[:, None] + mm(tl.trans(k_end), b_v, DOT_BF16, PREC)
         if NORM:
             b_z = b_z * tl.exp2(G_last) + tl.sum(k_end, axis=0)
     if SEGMENTED:
         sp = segend + (i_sg * Hkv + i_h).to(tl.int64) * K * VS
-        _store_state(sp, b_h, k0, v0, K, V, VS, BK, BV)
+        store_state(sp, b_h, k0, v0, K, V, VS, BK, BV)
         if i_v == 0:
             _store_dec(dec, c0 + i_n + t_end, i_h, b_d, k0, Hkv, K, BK)
             if NORM:
-                _store_col(sp, b_z, k0, K, V, VS, BK)
+                store_col(sp, b_z, k0, K, V, VS, BK)
     else:
         hp = hbuf + ((c0 + i_n + NT) * Hkv + i_h) * K * VS
-        _store_state(hp, b_h, k0, v0, K, V, VS, BK, BV)
+        store_state(hp, b_h, k0, v0, K, V, VS, BK, BV)
         if STORE_HT:
-            _store_state(ht + i_nh.to(tl.int64) * K * VU, b_h, k0, v0, K, V, VU, BK, BV)
+            store_state(ht + i_nh.to(tl.int64) * K * VU, b_h, k0, v0, K, V, VU, BK, BV)
         if NORM:
             if i_v == 0:
-                _store_col(hp, b_z, k0, K, V, VS, BK)
+                store_col(hp, b_z, k0, K, V, VS, BK)
                 if STORE_HT:
-                    _store_col(ht + i_nh.to(tl.int64) * K * VU, b_z, k0, K, V, VU, BK)
+                    store_col(ht + i_nh.to(tl.int64) * K * VU, b_z, k0, K, V, VU, BK)
 
 
 @triton.jit(do_not_specialize=["seg_len", "n_seg"])
@@ -185,18 +185,18 @@ def _bwd_dh_kernel(q, do, dht, dh0, dhbuf, dec, segend, cu_seqlens, chunk_offset
     b_dh = tl.zeros([BK, BV], dtype=tl.float32)
     if USE_DHT:
         if last:
-            b_dh += _load_state(dht + i_nh.to(tl.int64) * K * VU, k0, v0, K, V, VU, BK, BV)
+            b_dh += load_state(dht + i_nh.to(tl.int64) * K * VU, k0, v0, K, V, VU, BK, BV)
     b_dz = tl.zeros([BK], dtype=tl.float32)
     if NORM:
         if USE_DHT:
             if last:
-                b_dz += _load_col(dht + i_nh.to(tl.int64) * K * VU, k0, K, V, VU, BK)
+                b_dz += load_col(dht + i_nh.to(tl.int64) * K * VU, k0, K, V, VU, BK)
     if last:
         hp = dhbuf + ((c0 + i_n + NT) * Hkv + i_h) * K * VS
-        _store_state(hp, b_dh, k0, v0, K, V, VS, BK, BV)
+        store_state(hp, b_dh, k0, v0, K, V, VS, BK, BV)
         if NORM:
             if i_v == 0:
-                _store_col(hp, b_dz, k0, K, V, VS, BK)
+                store_col(hp, b_dz, k0, K, V, VS, BK)
     b_d = tl.zeros([BK], dtype=tl.float32)                 # log2 decay down to t_end
     Gp = gbuf + i_h * K
     qp = q + i_h * R * K
@@ -204,15 +204,15 @@ def _bwd_dh_kernel(q, do, dht, dh0, dhbuf, dec, segend, cu_seqlens, chunk_offset
     # last chunk, first head of the group (all masked when the segment is empty)
     t_last = bos + (t_end - 1) * BT
     n_last = tl.where(t_end > t_first, eos - t_last, 0)
-    n_q = _load_rows(qp, t_last, n_last, H * K, k0, K, BT, BK)
-    n_do = _load_rows(dop, t_last, n_last, H * VO, v0, V, BT, BV)
+    n_q = load_rows(qp, t_last, n_last, H * K, k0, K, BT, BK)
+    n_do = load_rows(dop, t_last, n_last, H * VO, v0, V, BT, BV)
     for i in range(t_end - t_first):
         i_t = t_end - 1 - i
         t0 = bos + i_t * BT
         # previous chunk (nothing left to load at the segment's first chunk)
         t_prev = t0 - BT
         n_prev = tl.where(i_t > t_first, eos - t_prev, 0)
-        G, G_last = _kept_gates(Gp, t0, eos - t0, Hkv * K, k0, K, BT, BK)
+        G, G_last = kept_gates(Gp, t0, eos - t0, Hkv * K, k0, K, BT, BK)
         e_q = tl.exp2(G)
         acc = tl.zeros([BK, BV], dtype=tl.float32)
         acc_z = tl.zeros([BK], dtype=tl.float32)
@@ -220,7 +220,7 @@ def _bwd_dh_kernel(q, do, dht, dh0, dhbuf, dec, segend, cu_seqlens, chunk_offset
             b_q = n_q.to(tl.float32)
             b_do = n_do
             if NORM:
-                dden = _load_den_grad(dop + r * VO, t0, eos - t0, H * VO, V, BT)
+                dden = load_den_grad(dop + r * VO, t0, eos - t0, H * VO, V, BT)
                 acc_z += tl.sum(b_q * e_q * dden[:, None], axis=0)
             # next (chunk, head) pair: the next head here, else the first head one chunk back
             if r + 1 < R:
@@ -231,9 +231,9 @@ def _bwd_dh_kernel(q, do, dht, dh0, dhbuf, dec, segend, cu_seqlens, chunk_offset
                 t_n = t_prev
                 n_n = n_prev
                 r_n = 0
-            n_q = _load_rows(qp + r_n * K, t_n, n_n, H * K, k0, K, BT, BK)
-            n_do = _load_rows(dop + r_n * VO, t_n, n_n, H * VO, v0, V, BT, BV)
-            acc += _mm(tl.trans(b_q * e_q), b_do, DOT_BF16, PREC)
+            n_q = load_rows(qp + r_n * K, t_n, n_n, H * K, k0, K, BT, BK)
+            n_do = load_rows(dop + r_n * VO, t_n, n_n, H * VO, v0, V, BT, BV)
+            acc += mm(tl.trans(b_q * e_q), b_do, DOT_BF16, PREC)
         b_dh = b_dh * tl.exp2(G_last)[:, None] + acc * scale
         if NORM:
             b_dz = b_dz * tl.exp2(G_last) + acc_z * scale
@@ -247,22 +247,22 @@ def _bwd_dh_kernel(q, do, dht, dh0, dhbuf, dec, segend, cu_seqlens, chunk_offset
             write = i_t >= 0
         if write:
             sp = dhbuf + (slot * Hkv + i_h) * K * VS
-            _store_state(sp, b_dh, k0, v0, K, V, VS, BK, BV)
+            store_state(sp, b_dh, k0, v0, K, V, VS, BK, BV)
             if NORM:
                 if i_v == 0:
-                    _store_col(sp, b_dz, k0, K, V, VS, BK)
+                    store_col(sp, b_dz, k0, K, V, VS, BK)
     if SEGMENTED:
         fp = segend + (i_sg * Hkv + i_h).to(tl.int64) * K * VS
-        _store_state(fp, b_dh, k0, v0, K, V, VS, BK, BV)
+        store_state(fp, b_dh, k0, v0, K, V, VS, BK, BV)
         if NORM:
             if i_v == 0:
-                _store_col(fp, b_dz, k0, K, V, VS, BK)
+                store_col(fp, b_dz, k0, K, V, VS, BK)
     elif STORE_DH0:
         fp = dh0 + i_nh.to(tl.int64) * K * VU
-        _store_state(fp, b_dh, k0, v0, K, V, VU, BK, BV)
+        store_state(fp, b_dh, k0, v0, K, V, VU, BK, BV)
         if NORM:
             if i_v == 0:
-                _store_col(fp, b_dz, k0, K, V, VU, BK)
+                store_col(fp, b_dz, k0, K, V, VU, BK)
 
 
 @triton.jit(do_not_specialize=["seg_len", "n_seg"])
@@ -285,7 +285,7 @@ def _seg_combine_kernel(buf, dec, segend, hfinal, cu_seqlens, chunk_offsets, seg
     i_nh = tl.program_id(2)
     i_n = i_nh // Hkv
     i_h = i_nh % Hkv
-    bos, eos, c0 = _seq_bounds(i_n, cu_seqlens, chunk_offsets, T, BT, IS_VARLEN)
+    bos, eos, c0 = seq_bounds(i_n, cu_seqlens, chunk_offsets, T, BT, IS_VARLEN)
     NT = tl.cdiv(eos - bos, BT)
     if IS_VARLEN:
         s0 = tl.load(seg_offsets + i_n)
@@ -299,28 +299,28 @@ def _seg_combine_kernel(buf, dec, segend, hfinal, cu_seqlens, chunk_offsets, seg
     mk = rk < K
     base = c0 + i_n
     if REVERSE:
-        b_h = _load_state(segend + ((s0 + S - 1) * Hkv + i_h).to(tl.int64) * K * V,
-                          k0, v0, K, V, V, BK, BV)
+        b_h = load_state(segend + ((s0 + S - 1) * Hkv + i_h).to(tl.int64) * K * V,
+                         k0, v0, K, V, V, BK, BV)
         slot = base + (S - 1) * seg_len
-        _store_state(buf + (slot * Hkv + i_h) * K * V, b_h, k0, v0, K, V, V, BK, BV)
+        store_state(buf + (slot * Hkv + i_h) * K * V, b_h, k0, v0, K, V, V, BK, BV)
         for i in range(1, S):
             slot = base + (S - 1 - i) * seg_len
             a = tl.exp2(tl.load(dec + (slot * Hkv + i_h) * K + rk, mask=mk, other=0.0))
             sp = segend + ((s0 + S - 1 - i) * Hkv + i_h).to(tl.int64) * K * V
-            b_h = a[:, None] * b_h + _load_state(sp, k0, v0, K, V, V, BK, BV)
-            _store_state(buf + (slot * Hkv + i_h) * K * V, b_h, k0, v0, K, V, V, BK, BV)
+            b_h = a[:, None] * b_h + load_state(sp, k0, v0, K, V, V, BK, BV)
+            store_state(buf + (slot * Hkv + i_h) * K * V, b_h, k0, v0, K, V, V, BK, BV)
     else:
-        b_h = _load_state(segend + (s0 * Hkv + i_h).to(tl.int64) * K * V, k0, v0, K, V, V, BK, BV)
+        b_h = load_state(segend + (s0 * Hkv + i_h).to(tl.int64) * K * V, k0, v0, K, V, V, BK, BV)
         slot = base + tl.minimum(NT, seg_len)
-        _store_state(buf + (slot * Hkv + i_h) * K * V, b_h, k0, v0, K, V, V, BK, BV)
+        store_state(buf + (slot * Hkv + i_h) * K * V, b_h, k0, v0, K, V, V, BK, BV)
         for s in range(1, S):
             slot = base + tl.minimum(NT, (s + 1) * seg_len)
             a = tl.exp2(tl.load(dec + (slot * Hkv + i_h) * K + rk, mask=mk, other=0.0))
-            b_h = a[:, None] * b_h + _load_state(
+            b_h = a[:, None] * b_h + load_state(
                 segend + ((s0 + s) * Hkv + i_h).to(tl.int64) * K * V, k0, v0, K, V, V, BK, BV)
-            _store_state(buf + (slot * Hkv + i_h) * K * V, b_h, k0, v0, K, V, V, BK, BV)
+            store_state(buf + (slot * Hkv + i_h) * K * V, b_h, k0, v0, K, V, V, BK, BV)
     if STORE_FINAL:
-        _store_state(hfinal + i_nh.to(tl.int64) * K * VU, b_h, k0, v0, K, VU, VU, BK, BV)
+        store_state(hfinal + i_nh.to(tl.int64) * K * VU, b_h, k0, v0, K, VU, VU, BK, BV)
 
 
 @triton.jit(do_not_specialize=["seg_len"])
@@ -335,8 +335,8 @@ def _seg_fixup_kernel(buf, dec, cu_seqlens, chunk_offsets, chunk_indices, T, seg
     are left alone."""
     i_c = tl.program_id(0)
     i_h = tl.program_id(1)
-    i_n, i_t = _chunk_coords(i_c, chunk_indices, T, BT, IS_VARLEN)
-    bos, eos, c0 = _seq_bounds(i_n, cu_seqlens, chunk_offsets, T, BT, IS_VARLEN)
+    i_n, i_t = chunk_coords(i_c, chunk_indices, T, BT, IS_VARLEN)
+    bos, eos, c0 = seq_bounds(i_n, cu_seqlens, chunk_offsets, T, BT, IS_VARLEN)
     NT = tl.cdiv(eos - bos, BT)
     s = i_t // seg_len
     inside = (i_t % seg_len) != 0
@@ -355,6 +355,6 @@ def _seg_fixup_kernel(buf, dec, cu_seqlens, chunk_offsets, chunk_indices, T, seg
             for i_v in range(NV):
                 sp = buf + (slot * Hkv + i_h) * K * V
                 ap = buf + (aslot * Hkv + i_h) * K * V
-                x = (_load_state(sp, i_k * BK, i_v * BV, K, V, V, BK, BV)
-                     + a[:, None] * _load_state(ap, i_k * BK, i_v * BV, K, V, V, BK, BV))
-                _store_state(sp, x, i_k * BK, i_v * BV, K, V, V, BK, BV)
+                x = (load_state(sp, i_k * BK, i_v * BV, K, V, V, BK, BV)
+                     + a[:, None] * load_state(ap, i_k * BK, i_v * BV, K, V, V, BK, BV))
+                store_state(sp, x, i_k * BK, i_v * BV, K, V, V, BK, BV)

@@ -34,8 +34,7 @@ try:
 except ImportError:
     raise
 
-from ..gla.launch import _row_stride, _state_stride
-from ..utils import _cdiv, _new, _next_pow2  # _new: NaN under POISON
+from ..utils import cdiv, new, next_pow2, row_stride, state_stride  # new: NaN under POISON
 
 _ROWS = 32
 
@@ -99,14 +98,14 @@ class _WindowMix(torch.autograd.Function):
     def forward(ctx, o_win, lse, o_lin, logit, shared, eps):
         H, D = o_win.shape[-2:]
         o_win, lse, logit = o_win.contiguous(), lse.contiguous(), logit.float().contiguous()
-        rs = _row_stride(o_lin)                  # fused_chunk_gla's o: rows padded to 8 values
+        rs = row_stride(o_lin)                   # fused_chunk_gla's o: rows padded to 8 values
         if rs is None:
             o_lin, rs = o_lin.contiguous(), D + 1
         rows = o_win.numel() // D
-        out = _new(o_win.shape, o_win.dtype, o_win.device)
-        BD = max(16, _next_pow2(D))
-        _mix_fwd_kernel[(_cdiv(rows, _ROWS),)](o_win, lse, o_lin, logit, out, rows, eps, H=H, D=D, RS=rs, BD=BD,
-                                               BR=_ROWS, SHARED=shared, num_warps=4)
+        out = new(o_win.shape, o_win.dtype, o_win.device)
+        BD = max(16, next_pow2(D))
+        _mix_fwd_kernel[(cdiv(rows, _ROWS),)](o_win, lse, o_lin, logit, out, rows, eps, H=H, D=D, RS=rs, BD=BD,
+                                              BR=_ROWS, SHARED=shared, num_warps=4)
         ctx.save_for_backward(o_win, lse, o_lin, logit)
         ctx.shared, ctx.eps, ctx.rs = shared, eps, rs
         return out
@@ -117,17 +116,17 @@ class _WindowMix(torch.autograd.Function):
         H, D = o_win.shape[-2:]
         rows = o_win.numel() // D
         dev = o_win.device
-        d_win = _new(o_win.shape, o_win.dtype, dev)
-        d_lse = _new(lse.shape, torch.float32, dev) if ctx.shared else None
+        d_win = new(o_win.shape, o_win.dtype, dev)
+        d_lse = new(lse.shape, torch.float32, dev) if ctx.shared else None
         # d o_lin in the rows fused_chunk_gla pads its o to, so its backward reads it as is
-        rd = _state_stride(D, True)
-        d_lin = _new(o_lin.shape[:-1] + (rd,), o_lin.dtype, dev)[..., :D + 1]
-        dz = _new((rows,), torch.float32, dev)
-        BD = max(16, _next_pow2(D))
-        _mix_bwd_kernel[(_cdiv(rows, _ROWS),)](o_win, lse, o_lin, logit, dout.contiguous(), d_win,
-                                               d_lse if ctx.shared else dz, d_lin, dz, rows, ctx.eps, H=H, D=D,
-                                               RS=ctx.rs, RD=rd, BD=BD, BR=_ROWS, SHARED=ctx.shared,
-                                               num_warps=4)
+        rd = state_stride(D, True)
+        d_lin = new(o_lin.shape[:-1] + (rd,), o_lin.dtype, dev)[..., :D + 1]
+        dz = new((rows,), torch.float32, dev)
+        BD = max(16, next_pow2(D))
+        _mix_bwd_kernel[(cdiv(rows, _ROWS),)](o_win, lse, o_lin, logit, dout.contiguous(), d_win,
+                                              d_lse if ctx.shared else dz, d_lin, dz, rows, ctx.eps, H=H, D=D,
+                                              RS=ctx.rs, RD=rd, BD=BD, BR=_ROWS, SHARED=ctx.shared,
+                                              num_warps=4)
         d_logit = dz.view(-1, H).sum(0)
         return d_win, d_lse, d_lin, d_logit, None, None
 

@@ -32,7 +32,7 @@ GQA: the forward and dq programs take one query head each (H programs per block:
 parallel programs at short T; the G heads of a group reread the same k/v tiles, which
 come from L2, not HBM); the dk/dv programs loop over the group's heads.
 
-Tiles use plain pointer arithmetic with masks (utils._load_rows): any T, packed
+Tiles use plain pointer arithmetic with masks (utils.load_rows): any T, packed
 documents, and head dims padded to a power of two.
 """
 
@@ -48,9 +48,8 @@ try:
 except ImportError:
     raise
 
-from ..gla.launch import _varlen_meta
-from ..utils import (_cdiv, _chunk_coords, _interpreting, _load_rows, _new, _next_pow2,
-                             _store_rows)
+from ..utils import (cdiv, chunk_coords, interpreting, load_rows, new, next_pow2, store_rows,
+                     varlen_meta)
 from .reference import check_window_inputs
 
 LOG2E = 1.4426950408889634
@@ -64,7 +63,7 @@ LOG2E = 1.4426950408889634
 def _doc(pid, cu, indices, T, BT: tl.constexpr, IS_VARLEN: tl.constexpr):
     """Document of block pid: (document index, first row of the block within the document,
     the document's first token (int64), its length)."""
-    i_n, i_b = _chunk_coords(pid, indices, T, BT, IS_VARLEN)
+    i_n, i_b = chunk_coords(pid, indices, T, BT, IS_VARLEN)
     if IS_VARLEN:
         start = tl.load(cu + i_n)
         bos = start.to(tl.int64)
@@ -90,7 +89,7 @@ def _sink_operands(qb, k_ptr, qs, ks, h, hk, bos, t0, n, QS: tl.constexpr, D: tl
     qsb = qb
     ks_ptr = k_ptr
     if SPLIT:
-        qsb = _load_rows(qs + h * D, bos + t0, n - t0, QS, 0, D, BM, BD)
+        qsb = load_rows(qs + h * D, bos + t0, n - t0, QS, 0, D, BM, BD)
         ks_ptr = ks + hk * D
     return qsb, ks_ptr
 
@@ -100,8 +99,8 @@ def _fwd_block(qb, k_ptr, v_ptr, bos, j0, n, KS, allowed, m, l, acc, scale2,
                D: tl.constexpr, BD: tl.constexpr, BN: tl.constexpr, PREC: tl.constexpr):
     """One key block of the online softmax (scores in log2 units; m starts finite, so a row
     with no allowed key yet keeps alpha = 1 and p = 0 instead of NaN)."""
-    kb = _load_rows(k_ptr, bos + j0, n - j0, KS, 0, D, BN, BD)
-    vb = _load_rows(v_ptr, bos + j0, n - j0, KS, 0, D, BN, BD)
+    kb = load_rows(k_ptr, bos + j0, n - j0, KS, 0, D, BN, BD)
+    vb = load_rows(v_ptr, bos + j0, n - j0, KS, 0, D, BN, BD)
     s = tl.dot(qb, tl.trans(kb), input_precision=PREC) * scale2
     s = tl.where(allowed, s, float("-inf"))
     m_new = tl.maximum(m, tl.max(s, 1))
@@ -124,7 +123,7 @@ def _window_fwd_kernel(q, k, v, qs, ks, o, lse, cu, indices, T, scale2, W, S,
     QS: tl.constexpr = H * D
     KS: tl.constexpr = HKV * D
     k_ptr, v_ptr = k + hk * D, v + hk * D
-    qb = _load_rows(q + h * D, bos + t0, n - t0, QS, 0, D, BM, BD)
+    qb = load_rows(q + h * D, bos + t0, n - t0, QS, 0, D, BM, BD)
     rows = (t0 + tl.arange(0, BM))[:, None]
     m = tl.full([BM], -1e30, tl.float32)
     l = tl.zeros([BM], tl.float32)
@@ -142,7 +141,7 @@ def _window_fwd_kernel(q, k, v, qs, ks, o, lse, cu, indices, T, scale2, W, S,
         m, l, acc = _fwd_block(qb, k_ptr, v_ptr, bos, j0, n, KS, allowed, m, l, acc,
                                scale2, D, BD, BN, PREC)
     l = tl.where(l > 0, l, 1.0)          # rows past the document end (never stored)
-    _store_rows(o + h * D, acc / l[:, None], bos + t0, n - t0, QS, 0, D, BM, BD)
+    store_rows(o + h * D, acc / l[:, None], bos + t0, n - t0, QS, 0, D, BM, BD)
     r = tl.arange(0, BM)
     tl.store(lse + (bos + t0) * H + h + r * H, (m + tl.log2(l)) / 1.4426950408889634,
              mask=t0 + r < n)
@@ -170,9 +169,9 @@ def _window_bwd_dq_kernel(q, k, v, qs, ks, o, do, lse, dlse, delta, dq, dqs, dks
     QS: tl.constexpr = H * D
     KS: tl.constexpr = HKV * D
     k_ptr, v_ptr = k + hk * D, v + hk * D
-    qb = _load_rows(q + h * D, bos + t0, n - t0, QS, 0, D, BM, BD)
-    dob = _load_rows(do + h * D, bos + t0, n - t0, QS, 0, D, BM, BD)
-    ob = _load_rows(o + h * D, bos + t0, n - t0, QS, 0, D, BM, BD)
+    qb = load_rows(q + h * D, bos + t0, n - t0, QS, 0, D, BM, BD)
+    dob = load_rows(do + h * D, bos + t0, n - t0, QS, 0, D, BM, BD)
+    ob = load_rows(o + h * D, bos + t0, n - t0, QS, 0, D, BM, BD)
     lse2 = _load_vec(lse + h, bos + t0, n - t0, H, BM) * 1.4426950408889634
     dl = tl.sum(dob.to(tl.float32) * ob.to(tl.float32), 1)
     if HAS_DLSE:
@@ -189,8 +188,8 @@ def _window_bwd_dq_kernel(q, k, v, qs, ks, o, do, lse, dlse, delta, dq, dqs, dks
         for j0 in range(0, tl.minimum(S, t0 + BM - W), BS):
             c = j0 + tl.arange(0, BS)
             cols = c[None, :]
-            kb = _load_rows(ks_ptr, bos + j0, n - j0, KS, 0, D, BS, BD)
-            vb = _load_rows(v_ptr, bos + j0, n - j0, KS, 0, D, BS, BD)
+            kb = load_rows(ks_ptr, bos + j0, n - j0, KS, 0, D, BS, BD)
+            vb = load_rows(v_ptr, bos + j0, n - j0, KS, 0, D, BS, BD)
             p, ds = _bwd_scores(qsb, dob, kb, vb, lse2, dl, valid & (cols < S) & (cols <= rows - W),
                                 scale2, PREC)
             dqsa += tl.dot(ds.to(kb.dtype), kb, input_precision=PREC)
@@ -202,17 +201,17 @@ def _window_bwd_dq_kernel(q, k, v, qs, ks, o, do, lse, dlse, delta, dq, dqs, dks
             tl.atomic_add(dvs + offs, dv_part, mask=msk)
             tl.atomic_add(dks + offs, dk_part, mask=msk)
         if SPLIT:
-            _store_rows(dqs + h * D, dqsa * scale, bos + t0, n - t0, QS, 0, D, BM, BD)
+            store_rows(dqs + h * D, dqsa * scale, bos + t0, n - t0, QS, 0, D, BM, BD)
         else:
             dqa += dqsa
     for j0 in range(tl.maximum(t0 - W + 1, 0), tl.minimum(t0 + BM, n), BN):
         cols = (j0 + tl.arange(0, BN))[None, :]
-        kb = _load_rows(k_ptr, bos + j0, n - j0, KS, 0, D, BN, BD)
-        vb = _load_rows(v_ptr, bos + j0, n - j0, KS, 0, D, BN, BD)
+        kb = load_rows(k_ptr, bos + j0, n - j0, KS, 0, D, BN, BD)
+        vb = load_rows(v_ptr, bos + j0, n - j0, KS, 0, D, BN, BD)
         p, ds = _bwd_scores(qb, dob, kb, vb, lse2, dl, valid & (cols <= rows) & (cols > rows - W),
                             scale2, PREC)
         dqa += tl.dot(ds.to(kb.dtype), kb, input_precision=PREC)
-    _store_rows(dq + h * D, dqa * scale, bos + t0, n - t0, QS, 0, D, BM, BD)
+    store_rows(dq + h * D, dqa * scale, bos + t0, n - t0, QS, 0, D, BM, BD)
 
 
 @triton.jit
@@ -227,8 +226,8 @@ def _window_bwd_dkv_kernel(q, k, v, do, lse, delta, dk, dv, dks, dvs, cu, indice
     G: tl.constexpr = H // HKV
     QS: tl.constexpr = H * D
     KS: tl.constexpr = HKV * D
-    kb = _load_rows(k + hk * D, bos + s0, n - s0, KS, 0, D, BN, BD)
-    vb = _load_rows(v + hk * D, bos + s0, n - s0, KS, 0, D, BN, BD)
+    kb = load_rows(k + hk * D, bos + s0, n - s0, KS, 0, D, BN, BD)
+    vb = load_rows(v + hk * D, bos + s0, n - s0, KS, 0, D, BN, BD)
     c = s0 + tl.arange(0, BN)
     cols = c[:, None]                     # tiles here are transposed: keys x queries
     dka = tl.zeros([BN, BD], tl.float32)
@@ -237,8 +236,8 @@ def _window_bwd_dkv_kernel(q, k, v, do, lse, delta, dk, dv, dks, dvs, cu, indice
         h = hk * G + g
         for i0 in range(s0, tl.minimum(s0 + BN - 1 + W, n), BM):
             rows = (i0 + tl.arange(0, BM))[None, :]
-            qb = _load_rows(q + h * D, bos + i0, n - i0, QS, 0, D, BM, BD)
-            dob = _load_rows(do + h * D, bos + i0, n - i0, QS, 0, D, BM, BD)
+            qb = load_rows(q + h * D, bos + i0, n - i0, QS, 0, D, BM, BD)
+            dob = load_rows(do + h * D, bos + i0, n - i0, QS, 0, D, BM, BD)
             lse2 = _load_vec(lse + h, bos + i0, n - i0, H, BM) * 1.4426950408889634
             dl = _load_vec(delta + h, bos + i0, n - i0, H, BM)
             allowed = (rows < n) & (cols <= rows) & (cols > rows - W)
@@ -257,8 +256,8 @@ def _window_bwd_dkv_kernel(q, k, v, do, lse, delta, dk, dv, dks, dvs, cu, indice
             if not SPLIT:              # split: the sink keys' dk belongs to k_sink
                 dka += tl.load(dks + offs, mask=msk, other=0.0)
             dva += tl.load(dvs + offs, mask=msk, other=0.0)
-    _store_rows(dk + hk * D, dka, bos + s0, n - s0, KS, 0, D, BN, BD)
-    _store_rows(dv + hk * D, dva, bos + s0, n - s0, KS, 0, D, BN, BD)
+    store_rows(dk + hk * D, dka, bos + s0, n - s0, KS, 0, D, BN, BD)
+    store_rows(dv + hk * D, dva, bos + s0, n - s0, KS, 0, D, BN, BD)
 
 
 # ----------------------------------------------------------------------------------------
@@ -271,17 +270,17 @@ class _Plan:
     sink tile. `overrides` (tests, tuning runs) replace any attribute."""
 
     def __init__(self, T, D, S, dtype, overrides=None):
-        self.BD = max(16, _next_pow2(D))
+        self.BD = max(16, next_pow2(D))
         fp32 = dtype == torch.float32
         row = self.BD * (4 if fp32 else 2)              # bytes of a tile row
         # 64 x 64 tiles for 16-bit rows up to 256 bytes (D <= 128); fp32 tiles spill
         # registers at 64 rows (ptxas, sm_90: 26 KB at D64 in the backward kernels, 1 KB at
         # D32) and take 32 rows over 8 warps
         tile = 32 if fp32 or row > 256 else 64
-        short = max(16, _next_pow2(T))
+        short = max(16, next_pow2(T))
         self.BM = min(tile, short)
         self.BN = min(tile, short)
-        self.BS = max(16, min(tile, _next_pow2(S)))
+        self.BS = max(16, min(tile, next_pow2(S)))
         self.warps = 8 if fp32 or row >= 256 else 4
         # three stages hide the key loads behind the dots at 16-bit D128 (0.85 against 0.96 ms
         # for W128 S4 at 8x2048 H16 on an H200); at D64 they change nothing
@@ -297,8 +296,8 @@ class _Plan:
 def _blocks(cu_seqlens, B, T, BT, device):
     """(cu int32 on the device or None, block indices [total, 2] or None, total blocks)."""
     if cu_seqlens is None:
-        return None, None, B * _cdiv(T, BT)
-    cu, _, indices, total, _ = _varlen_meta(cu_seqlens, T, BT, device)
+        return None, None, B * cdiv(T, BT)
+    cu, _, indices, total, _ = varlen_meta(cu_seqlens, T, BT, device)
     return cu, indices, total
 
 
@@ -310,8 +309,8 @@ class _WindowAttention(torch.autograd.Function):
         q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
         split = q_sink is not None and sinks > 0
         qs, ks = (q_sink.contiguous(), k_sink.contiguous()) if split else (q, k)
-        o = _new((B, T, H, D), q.dtype, q.device)
-        lse = _new((B, T, H), torch.float32, q.device)
+        o = new((B, T, H, D), q.dtype, q.device)
+        lse = new((B, T, H), torch.float32, q.device)
         cu, idx, total = _blocks(cu_seqlens, B, T, plan.BM, q.device)
         _window_fwd_kernel[(total, H)](
             q, k, v, qs, ks, o, lse, cu, idx, T, scale * LOG2E, window, sinks,
@@ -331,11 +330,11 @@ class _WindowAttention(torch.autograd.Function):
         Hkv = k.shape[2]
         do = torch.zeros_like(o) if do is None else do.contiguous()
         dlse = None if dlse is None else dlse.contiguous()
-        dq = _new(q.shape, q.dtype, q.device)
-        dk = _new(k.shape, k.dtype, k.device)
-        dv = _new(v.shape, v.dtype, v.device)
-        dqs = _new(q.shape, q.dtype, q.device) if split else dq
-        delta = _new((B, T, H), torch.float32, q.device)
+        dq = new(q.shape, q.dtype, q.device)
+        dk = new(k.shape, k.dtype, k.device)
+        dv = new(v.shape, v.dtype, v.device)
+        dqs = new(q.shape, q.dtype, q.device) if split else dq
+        delta = new((B, T, H), torch.float32, q.device)
         n_docs = B if cu_seqlens is None else cu_seqlens.numel() - 1
         # the sink keys' dk and dv from the sink part (accumulated by atomics: zeros)
         dks = torch.zeros((n_docs, Hkv, max(sinks, 1), D), dtype=torch.float32, device=q.device)
@@ -384,7 +383,7 @@ def fused_window_attention(q, k, v, window, sinks=0, scale=None, cu_seqlens=None
     contract; q_sink and k_sink score the sink part). _overrides: launch options of _Plan
     (tests and tuning runs)."""
     B, T, H, Hkv, D = check_window_inputs(q, k, v, window, sinks, scale, cu_seqlens, q_sink, k_sink)
-    if not (q.is_cuda or _interpreting()):
+    if not (q.is_cuda or interpreting()):
         raise ValueError(f"the Triton window kernels need CUDA tensors (or TRITON_INTERPRET=1), "
                          f"got {q.device}")
     scale = D ** -0.5 if scale is None else float(scale)
