@@ -299,7 +299,7 @@ def evaluate(model_dir, texts, teacher: str = "auto", context: int = 512, stride
     student = load_student(model_dir, dev, dt, sparse_cache)
     student.set_attention_mode("gla")
     if dev.type == "cuda" and student.config.window and student.config.sparse_cache:
-        from glaswap.generate import enable_decode_graph
+        from glaswap.decode_graph import enable_decode_graph
 
         enable_decode_graph(student)    # the stateful column's sparse-cache blocks from a CUDA graph
     teacher_model = None

@@ -162,7 +162,7 @@ def passkey(model_dir, lengths=(1024, 2048, 4096, 8192, 16384, 32768), depths=(0
     student = load_student(model_dir, dev, dt, sparse_cache)
     student.set_attention_mode("gla")
     if dev.type == "cuda":
-        from glaswap.generate import enable_decode_graph
+        from glaswap.decode_graph import enable_decode_graph
 
         enable_decode_graph(student)    # decode steps and a sparse cache's prompt blocks from CUDA graphs
     t_desc, teacher_model = None, None

@@ -16,8 +16,8 @@ from helpers import randomise_new_parameters, run_without_glaswap, save_teacher,
 
 from glaswap.cli import main
 from glaswap.convert import convert
-from glaswap.generate import (DecodeGraph, bench_model, bench_random, disable_decode_graph, enable_decode_graph,
-                              parse_contexts)
+from glaswap.decode_graph import DecodeGraph, check_decode_graph, disable_decode_graph, enable_decode_graph
+from glaswap.generate import bench_model, bench_random, parse_contexts
 from glaswap.errors import GlaswapError
 from glaswap.models.modeling_glaswap import CACHE_NAME, GLASwapCache, GLASwapForCausalLM, cache_of
 
@@ -449,7 +449,7 @@ def test_static_buffer_decode_recaptures_when_weights_move(folders):
 
 
 def test_failed_capture_falls_back_to_eager(folders, monkeypatch):
-    import glaswap.generate as gen
+    import glaswap.decode_graph as runner_module
 
     model = _load(folders["llama"])
     ids = _prompts()
@@ -458,7 +458,7 @@ def test_failed_capture_falls_back_to_eager(folders, monkeypatch):
     def broken(*args, **kwargs):
         raise RuntimeError("capture refused")
 
-    monkeypatch.setattr(gen, "_StaticStep", broken)
+    monkeypatch.setattr(runner_module, "_StaticStep", broken)
     runner = enable_decode_graph(model, backend="replay")
     with pytest.warns(UserWarning, match="decoding eagerly .RuntimeError: capture refused"):
         assert torch.equal(_greedy(model, ids), eager)
@@ -471,8 +471,6 @@ def test_failed_capture_falls_back_to_eager(folders, monkeypatch):
 
 
 def test_graph_check_compares_the_two_paths(folders):
-    from glaswap.generate import check_decode_graph
-
     model = _load(folders["qwen3-key"])
     res = check_decode_graph(model, _prompts(), steps=5, backend="replay")
     assert res["steps"] == 5 and res["same_argmax"] and res["max_abs_diff"] < 1e-6 < res["max_abs_logit"]
