@@ -12,6 +12,7 @@ import threading
 import click
 
 from glaswap.errors import GlaswapError
+from glaswap.models.configuration_glaswap import GLA_OPTIONS
 
 
 def _friendly(fn):
@@ -64,41 +65,25 @@ _TRUST_HELP = ("Run Python code that a model or tokenizer folder ships (auto_map
                "you trust; glaswap's own model code never needs it.")
 
 
+def _gla_options(fn):
+    """convert's flag for each GLA option that has one, from GLA_OPTIONS: a switch as
+    --x/--no-x, choices as click.Choice, numbers as int or float (their ranges are
+    check_gla_options', which convert runs), each passed on under the option's name."""
+    for opt in reversed([o for o in GLA_OPTIONS.values() if o.flag]):
+        if opt.type is bool:
+            fn = click.option("/".join(opt.flags), opt.name, default=opt.default, show_default=True,
+                              help=opt.help)(fn)
+        else:
+            kind = click.Choice(opt.choices) if opt.choices else opt.type
+            fn = click.option(opt.flag, opt.name, type=kind, default=opt.default, show_default=True,
+                              help=opt.help)(fn)
+    return fn
+
+
 @main.command()
 @click.argument("source")
 @click.argument("out", type=click.Path(file_okay=False))
-@click.option("--gate", type=click.Choice(["lowrank", "key", "scalar"]), default="lowrank", show_default=True,
-              help="lowrank: GLA's data-dependent gate (new params); key: derived from k_proj (no new params); "
-                   "scalar: one decay per KV head.")
-@click.option("--gate-rank", type=click.IntRange(1), default=16, show_default=True)
-@click.option("--gate-init-decay", type=click.FloatRange(0, 1, min_open=True, max_open=True), default=0.98,
-              show_default=True, help="Per-step decay at step 0.")
-@click.option("--feature-map", type=click.Choice(["identity", "softmax", "hedgehog", "hedgehog_pm"]), default="hedgehog",
-              show_default=True)
-@click.option("--normalizer/--no-normalizer", default=True, show_default=True,
-              help="Divide by the linear-attention denominator (needs softmax, hedgehog or hedgehog_pm).")
-@click.option("--rope/--no-rope", default=True, show_default=True, help="Keep RoPE on q and k.")
-@click.option("--rope-max-wavelength", type=click.FloatRange(0), default=2048.0, show_default=True,
-              help="Rotate only the RoPE pairs whose wavelength is at most this many tokens: the length you "
-                   "will train at (distill uses its data.seq_len); slower pairs stay unrotated, which keeps "
-                   "the model working past that length. 0: rotate every pair.")
-@click.option("--decay-horizon", type=click.FloatRange(0), default=0.0, show_default=True,
-              help="Bound every gate decay by exp(-1/H): the state forgets by a factor e at least every H tokens, "
-                   "so its sums stop growing within about H tokens (the length you will train at). 0: no bound.")
-@click.option("--state-heads", type=click.Choice(["kv", "query"]), default="kv", show_default=True,
-              help="kv: query heads of a GQA group share one recurrent state; query: one state per query head "
-                   "(own key feature map and gate; R times the state and its kernel work).")
-@click.option("--window", type=click.IntRange(0), default=0, show_default=True,
-              help="Hybrid layers: each token also attends with the teacher's exact softmax to its last W tokens "
-                   "(itself included); older ones reach it through the GLA state. 0: pure GLA.")
-@click.option("--sinks", type=click.IntRange(0), default=0, show_default=True,
-              help="With --window: the first S tokens of each document stay in every token's exact attention.")
-@click.option("--window-mix", type=click.Choice(["shared", "learned"]), default="shared", show_default=True,
-              help="shared: one softmax normaliser over the window's scores and the state's sums; learned: a "
-                   "learned per-head mix of the two outputs.")
-@click.option("--sparse-cache", type=click.IntRange(0), default=0, show_default=True,
-              help="With --window: reading with a cache, keep this many older tokens of each layer out of the "
-                   "state, attended exactly: those the state recalls worst. 0: none.")
+@_gla_options
 @click.option("--dtype", type=click.Choice(["auto", "bfloat16", "float16", "float32"]), default="auto",
               show_default=True, help="Weights dtype (auto: the source's; bfloat16 for GGUF).")
 @click.option("--max-shard-size", default="2GB", show_default=True)
@@ -108,16 +93,10 @@ _TRUST_HELP = ("Run Python code that a model or tokenizer folder ships (auto_map
 @click.option("--force", is_flag=True, help="Replace OUT if it exists.")
 @click.option("--trust-remote-code", is_flag=True, help=_TRUST_HELP)
 @_friendly
-def convert(source, out, gate, gate_rank, gate_init_decay, feature_map, normalizer, rope, rope_max_wavelength,
-            decay_horizon, state_heads, window, sinks, window_mix, sparse_cache, dtype, max_shard_size, seed, report, force,
-            trust_remote_code):
+def convert(source, out, dtype, max_shard_size, seed, report, force, trust_remote_code, **options):
     """Convert SOURCE (a model folder, a .gguf file, a hub id, or smollm2-135m) into a GLA model in OUT."""
     from glaswap.convert import convert as run
 
-    options = {"gate": gate, "gate_rank": gate_rank, "gate_init_decay": gate_init_decay,
-               "feature_map": feature_map, "normalizer": normalizer, "use_rope": rope, "rope_max_wavelength": rope_max_wavelength,
-               "decay_horizon": decay_horizon, "state_heads": state_heads, "window": window, "sinks": sinks, "window_mix": window_mix,
-               "sparse_cache": sparse_cache}
     run(source, out, options=options, force=force, dtype=dtype, max_shard_size=max_shard_size, report=report,
         seed=seed, trust_remote_code=trust_remote_code, log=click.echo)
 

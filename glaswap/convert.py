@@ -37,10 +37,7 @@ def glaswap_config(src: dict, options: dict | None = None) -> GLASwapConfig:
         raise GlaswapError(f"unsupported architecture {model_type!r}; glaswap converts "
                            f"{', '.join(SUPPORTED)} checkpoints")
     options = dict(options or {})
-    try:
-        check_gla_options(options)
-    except ValueError as e:
-        raise GlaswapError(str(e))
+    _check_options(options)
     heads = src["num_attention_heads"]
     head_dim = src.get("head_dim") or src["hidden_size"] // heads
     rope = src.get("rope_parameters") or dict(src.get("rope_scaling") or {})
@@ -72,6 +69,14 @@ def glaswap_config(src: dict, options: dict | None = None) -> GLASwapConfig:
         tie_word_embeddings=bool(src.get("tie_word_embeddings", False)),
         pad_token_id=src.get("pad_token_id"), bos_token_id=src.get("bos_token_id"),
         eos_token_id=src.get("eos_token_id"), source_model_type=model_type, **options)
+
+
+def _check_options(options: dict):
+    """check_gla_options, its message as a GlaswapError (before anything is read or written)."""
+    try:
+        check_gla_options(options)
+    except ValueError as e:
+        raise GlaswapError(str(e))
 
 
 def new_layer_tensors(config: GLASwapConfig, layer_idx: int, seed: int) -> dict[str, torch.Tensor]:
@@ -117,15 +122,6 @@ def _out_dtype(requested: str, src: Source, src_config: dict):
     return DTYPES.get(name)  # None: keep each tensor's stored dtype
 
 
-# Defaults of a new conversion that differ from GLASwapConfig's, which keeps the value that
-# folders saved without the option were made with.
-#   rope_max_wavelength: RoPE's slow pairs never turn through a full circle inside the
-#   training length, so past it they show the feature maps unseen angles and the one-pass loss
-#   climbs with position; leaving them unrotated keeps it flat (benchmarks/README.md, Quality).
-#   2048 is the shipped GPU recipe's training length; `glaswap distill` uses data.seq_len.
-CONVERT_DEFAULTS = {"rope_max_wavelength": 2048.0}
-
-
 def convert(source: str, out, *, options: dict | None = None, force: bool = False, dtype: str = "auto",
             max_shard_size="2GB", report: bool = True, seed: int = 0, trust_remote_code: bool = False,
             log=print) -> dict:
@@ -133,11 +129,8 @@ def convert(source: str, out, *, options: dict | None = None, force: bool = Fals
     trust_remote_code: let the step-0 report run Python code that the tokenizer ships."""
     out = Path(out)
     check_out_path(out)
-    options = CONVERT_DEFAULTS | dict(options or {})
-    try:
-        check_gla_options(options)
-    except ValueError as e:
-        raise GlaswapError(str(e))
+    options = dict(options or {})
+    _check_options(options)
     if out.exists() and not force:
         raise GlaswapError(f"{out} already exists; choose another output folder or pass --force to replace it")
     max_bytes = parse_size(max_shard_size)

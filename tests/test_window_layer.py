@@ -17,6 +17,7 @@ from helpers import logits_and_grads_by_backend, randomise_new_parameters, read_
 
 from glaswap.cli import main
 from glaswap.convert import glaswap_config
+from glaswap.layers.gla_attention import rope_kept_dims
 from glaswap.models.modeling_glaswap import GLASwapForCausalLM
 from glaswap_kernels.ops import apply_rope
 
@@ -283,7 +284,10 @@ def reference_sparse_cache(attn, x, cos, sin, cos_w, sin_w, M):
     q, k, v = attn._project(x)
     g = attn._gate(x, k).float()
     qr, kr = apply_rope(q, cos, sin).float(), apply_rope(k, cos, sin).float()
-    fq, fk = attn.q_map(q, cos, sin, "torch").float(), attn.k_map(k, cos, sin, "torch").float()
+    keep = rope_kept_dims(cfg)                  # the GLA path leaves the slow RoPE pairs unrotated
+    keep = 1.0 if keep is None else keep.to(cos.dtype)
+    c2, s2 = cos * keep + (1 - keep), sin * keep
+    fq, fk = attn.q_map(q, c2, s2, "torch").float(), attn.k_map(k, c2, s2, "torch").float()
     H, Hkv = attn.num_heads, attn.num_kv_heads
     R = H // Hkv
     c = attn.window_mix.logit.float()

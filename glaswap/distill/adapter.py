@@ -18,15 +18,6 @@ from pathlib import Path
 from glaswap.distill.checkpoints import copy_state
 from glaswap.models.configuration_glaswap import GLA_OPTIONS
 
-# `glaswap convert`'s flag for each GLA option it can set (glaswap/cli.py).
-CONVERT_FLAGS = {"gate": "--gate", "gate_rank": "--gate-rank", "gate_init_decay": "--gate-init-decay",
-                 "feature_map": "--feature-map", "normalizer": ("--normalizer", "--no-normalizer"),
-                 "use_rope": ("--rope", "--no-rope"), "rope_max_wavelength": "--rope-max-wavelength",
-                 "decay_horizon": "--decay-horizon",
-                 "state_heads": "--state-heads", "window": "--window", "sinks": "--sinks",
-                 "window_mix": "--window-mix", "sparse_cache": "--sparse-cache"}
-
-
 def new_modules(new_names) -> list[str]:
     """The modules holding the new parameters, as peft `modules_to_save` names: the path inside
     a decoder layer ("self_attn.q_map"), which peft matches as a suffix in every layer and
@@ -65,12 +56,12 @@ def base_record(source: str, meta: dict, out) -> dict:
     cmd = ["glaswap", "convert", source, str(base)]
     cli_complete = True
     for key, value in options.items():
-        flag = CONVERT_FLAGS.get(key)
-        if isinstance(flag, tuple):
-            cmd.append(flag[0] if value else flag[1])
-        elif flag:
-            cmd += [flag, str(value)]
-        elif key != "gla_backend" and value != GLA_OPTIONS[key][0]:
+        opt = GLA_OPTIONS[key]
+        if opt.type is bool and opt.flag:
+            cmd.append(opt.flags[0] if value else opt.flags[1])
+        elif opt.flag:
+            cmd += [opt.flag, str(value)]
+        elif key != "gla_backend" and value != opt.default:   # the backend picks kernels, not weights
             cli_complete = False             # an option only recipes and the Python API set
     cmd += ["--dtype", meta["dtype"], "--seed", str(meta["seed"]), "--no-report"]
     python = (f"from glaswap.convert import convert; convert({source!r}, {str(base)!r}, "

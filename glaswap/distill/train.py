@@ -204,7 +204,7 @@ def length_defaults(recipe: Recipe) -> dict:
     T = float(recipe.data.seq_len)
     options = recipe.model.options
     defaults = {"rope_max_wavelength": T}
-    start = float(options.get("gate_init_decay", GLA_OPTIONS["gate_init_decay"][0]))
+    start = float(options.get("gate_init_decay", GLA_OPTIONS["gate_init_decay"].default))
     if options.get("window") and start < decay_bound(T):
         defaults["decay_horizon"] = T
     return defaults

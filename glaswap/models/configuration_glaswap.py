@@ -1,52 +1,103 @@
 """Hugging Face config of a glaswap GLA model: the teacher's shape plus the GLA options.
 
-Copied into every saved model folder; imports nothing from glaswap.
+GLA_OPTIONS is the one definition of every GLA option: the config's arguments, `glaswap
+convert`'s flags and the adapter's rebuild command come from it, check_gla_options validates
+every place that takes options (the config, convert, recipes), and tests/test_options.py holds
+the README's table to it. Copied into every saved model folder, where glaswap may not be
+installed: it imports only the standard library and transformers.
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
+from typing import Any, Callable
 
 from transformers import PretrainedConfig
 
-GLA_OPTIONS = {
-    # name: (default, allowed values or a type)
-    "gate": ("lowrank", ("lowrank", "key", "scalar")),
-    "gate_rank": (16, int),
-    "gate_normalizer": (16.0, float),
-    "gate_init_decay": (0.98, float),
-    "feature_map": ("hedgehog", ("identity", "softmax", "hedgehog", "hedgehog_pm")),
-    "normalizer": (True, bool),
-    "normalizer_eps": (1e-6, float),
-    "use_rope": (True, bool),
-    # RoPE on the GLA path only for the pairs of dimensions whose wavelength (2 pi / frequency)
-    # is at most this many tokens; the slower pairs stay unrotated. 0: rotate every pair.
-    "rope_max_wavelength": (0.0, float),
-    # Every per-step decay is at most exp(-1 / decay_horizon): a key's weight in the state falls
-    # by e at least every decay_horizon tokens, so the state's sums stop growing within about
-    # that many tokens (the length you train at keeps longer reads inside what training saw).
-    # 0: no bound.
-    "decay_horizon": (0.0, float),
-    # kv: the query heads of a GQA group share one state (the teacher's KV heads); query: each
-    # query head keeps its own state, with its own key feature map and gate (R times the memory).
-    "state_heads": ("kv", ("kv", "query")),
-    "gla_backend": ("auto", ("auto", "triton", "torch")),
-    # Hybrid layers: each token also attends with the teacher's exact softmax (its q, k, RoPE and
-    # scale) to its last `window` tokens and its document's first `sinks`; older tokens reach it
-    # through the GLA state only. 0: pure GLA.
-    "window": (0, int),
-    "sinks": (0, int),
-    # How the two parts combine. shared: one normaliser over the window's exp-scores and the
-    # state's phi(q).phi(k) sums (a learned per-head weight on the state's); learned: a learned
-    # per-head mix of the two normalised outputs.
-    "window_mix": ("shared", ("shared", "learned")),
-    # Hybrid layers read with a cache (prefill, decoding): each KV head also keeps, at constant
-    # size, the `sparse_cache` older keys that its state recalls worst (a number or a name
-    # stated once, where repeated text is recalled well) out of the state, and attends to them
-    # exactly, as to the sinks. Whole-sequence forwards (training, windowed scoring) have
-    # none. 0: none.
-    "sparse_cache": (0, int),
-}
+
+@dataclass(frozen=True)
+class Option:
+    """One GLA option: its config key, value type, default (a new model's), one-line help (the
+    CLI's and the README table's), allowed values, and a check of one value of the right type,
+    which returns what is expected of it when the value is wrong (None when it is fine)."""
+    name: str
+    type: type                      # bool, int, float or str
+    default: Any
+    help: str
+    choices: tuple | None = None
+    check: Callable[[Any], str | None] | None = None
+    flag: str | None = None         # glaswap convert's flag (a switch also gets --no-...); None: recipes and Python only
+
+    @property
+    def flags(self) -> tuple[str, ...]:
+        """The flag's spellings on glaswap convert: ("--x",), ("--x", "--no-x") for a switch, or ()."""
+        if self.flag is None:
+            return ()
+        return (self.flag, "--no-" + self.flag[2:]) if self.type is bool else (self.flag,)
+
+
+def _whole(low):
+    return lambda v: None if v >= low else f"expected a whole number >= {low}"
+
+
+GLA_OPTIONS = {o.name: o for o in (
+    Option("gate", str, "lowrank", "lowrank: GLA's data-dependent gate, logsigmoid(W2 W1 x + b) / 16 (two small new "
+           "matrices per layer, starting data-independent); key: derived from k_proj (no new parameters, the least "
+           "free); scalar: one data-dependent decay per KV head (the cheapest).",
+           choices=("lowrank", "key", "scalar"), flag="--gate"),
+    Option("gate_rank", int, 16, "Rank of the lowrank gate.", check=_whole(1), flag="--gate-rank"),
+    Option("gate_normalizer", float, 16.0, "The gate's log-decays are divided by this (GLA's 16), which keeps the "
+           "decays near 1.", check=lambda v: None if v > 0 else "expected > 0"),
+    Option("gate_init_decay", float, 0.98, "Per-step decay at step 0: a memory of about 1/(1 - d) tokens.",
+           check=lambda v: None if 0 < v < 1 else "expected 0 < decay < 1", flag="--gate-init-decay"),
+    Option("feature_map", str, "hedgehog", "phi applied to q and k. identity: plain GLA; softmax: over the head "
+           "dimension; hedgehog: softmax(xW), a learned per-head W starting at the identity, which attention "
+           "transfer can shape; hedgehog_pm: [softmax(xW), softmax(-xW)], twice the feature width and state, "
+           "distils better.",
+           choices=("identity", "softmax", "hedgehog", "hedgehog_pm"), flag="--feature-map"),
+    Option("normalizer", bool, True, "Divide by the linear-attention denominator (needs softmax, hedgehog or "
+           "hedgehog_pm); without it the outputs are far from the teacher's.", flag="--normalizer"),
+    Option("normalizer_eps", float, 1e-6, "Added to the linear-attention denominator before dividing by it."),
+    Option("use_rope", bool, True, "Keep RoPE on q and k before the feature map.", flag="--rope"),
+    # The slow pairs never turn through a full circle inside the training length, so past it
+    # they would show the feature maps angles training never did, and the loss of a document
+    # read in one pass would climb with position. 2048 is the shipped GPU recipe's length.
+    Option("rope_max_wavelength", float, 2048.0, "Rotate only the RoPE pairs whose wavelength is at most this many "
+           "tokens: the length you will train at (distill uses its data.seq_len); slower pairs stay unrotated, "
+           "which keeps the model working past that length. 0: rotate every pair.",
+           check=lambda v: None if v >= 0 else "expected >= 0 (0: every pair)", flag="--rope-max-wavelength"),
+    # The state's sums stop growing within about the horizon, so a document read past the
+    # training length keeps them at sizes training saw (and, in a hybrid, the state does not
+    # come to outweigh the exact window).
+    Option("decay_horizon", float, 0.0, "Bound every per-step decay by exp(-1/H): the state forgets by a factor e "
+           "at least every H tokens, so its sums stop growing within about H tokens (the length you will train "
+           "at; distill uses data.seq_len for hybrid layers). 0: no bound.",
+           check=lambda v: None if v >= 0 else "expected >= 0 (0: no bound)", flag="--decay-horizon"),
+    Option("state_heads", str, "kv", "kv: the query heads of a GQA group share one recurrent state; query: one "
+           "state per query head, with its own key feature map and gate (R times the state and its kernel work).",
+           choices=("kv", "query"), flag="--state-heads"),
+    Option("gla_backend", str, "auto", "Kernels of the GLA path: triton, torch, or auto (Triton for CUDA tensors "
+           "where it imports, else torch).", choices=("auto", "triton", "torch")),
+    Option("window", int, 0, "Hybrid layers: each token also attends with the teacher's exact softmax to its last "
+           "W tokens (itself included); older ones reach it through the GLA state. Memory stays constant in "
+           "context. 0: pure GLA.", check=_whole(0), flag="--window"),
+    Option("sinks", int, 0, "With --window: the first S tokens of each document stay in every token's exact "
+           "attention and out of the state; a sink outside a token's window is scored as if it stood W tokens "
+           "back.", check=_whole(0), flag="--sinks"),
+    Option("window_mix", str, "shared", "shared: one softmax normaliser over the window's scores and the state's "
+           "sums (the state's weighted by a learned per-head factor); learned: a learned per-head mix of the two "
+           "outputs.", choices=("shared", "learned"), flag="--window-mix"),
+    # Whole-sequence forwards (training, windowed scoring) have no sparse cache.
+    Option("sparse_cache", int, 0, "With --window, reading with a cache (prefill, decoding): each layer keeps this "
+           "many older tokens out of the state, those the state recalls worst (after LoLA, arXiv 2505.23666), "
+           "attended exactly; eval, passkey and generate take --sparse-cache to change it. 0: none.",
+           check=_whole(0), flag="--sparse-cache"),
+)}
+
+# What a config.json written before an option existed was made with, where that is not the
+# option's default (a new model's): such a file lacks the key.
+BEFORE_OPTION = {"rope_max_wavelength": 0.0}
 
 
 def decay_bound(horizon: float) -> float:
@@ -55,37 +106,38 @@ def decay_bound(horizon: float) -> float:
     return math.exp(-1.0 / horizon) if horizon else 1.0
 
 
+def _value_problem(opt: Option, value) -> str | None:
+    """What is expected of `value` for `opt` when it is wrong, else None."""
+    if opt.choices is not None:
+        return None if value in opt.choices else f"choose one of {', '.join(map(str, opt.choices))}"
+    if opt.type is bool:
+        return None if isinstance(value, bool) else "expected true or false"
+    if isinstance(value, bool):
+        return "expected a whole number" if opt.type is int else "expected a number"
+    if opt.type is int and not isinstance(value, int):
+        return "expected a whole number"
+    if opt.type is float and not isinstance(value, (int, float)):
+        return "expected a number"
+    return opt.check(value) if opt.check else None
+
+
 def check_gla_options(opts):
-    """Raise ValueError with one line per problem for invalid GLA option values."""
+    """Raise ValueError, one line naming the problem and the fix, for invalid GLA option values
+    (each given value, then how they go together with the defaults of the rest)."""
     for name, value in opts.items():
         if name not in GLA_OPTIONS:
             raise ValueError(f"unknown GLA option {name!r}; known: {', '.join(GLA_OPTIONS)}")
-        default, allowed = GLA_OPTIONS[name]
-        if isinstance(allowed, tuple):
-            if value not in allowed:
-                raise ValueError(f"invalid {name} {value!r}; choose one of {', '.join(map(str, allowed))}")
-        elif allowed is bool:
-            if not isinstance(value, bool):
-                raise ValueError(f"invalid {name} {value!r}; expected true or false")
-        elif not isinstance(value, (int, float)) or isinstance(value, bool):
-            raise ValueError(f"invalid {name} {value!r}; expected a number")
-    merged = {k: v[0] for k, v in GLA_OPTIONS.items()} | dict(opts)
+        problem = _value_problem(GLA_OPTIONS[name], value)
+        if problem:
+            raise ValueError(f"invalid {name} {value!r}; {problem}")
+    merged = {name: opt.default for name, opt in GLA_OPTIONS.items()} | dict(opts)
     if merged["normalizer"] and merged["feature_map"] == "identity":
         raise ValueError("normalizer needs a positive feature map (softmax, hedgehog or hedgehog_pm); change feature_map "
                          "or turn the normalizer off")
-    if not 0.0 < float(merged["gate_init_decay"]) < 1.0:
-        raise ValueError(f"invalid gate_init_decay {merged['gate_init_decay']!r}; expected 0 < decay < 1")
-    if float(merged["rope_max_wavelength"]) < 0:
-        raise ValueError(f"invalid rope_max_wavelength {merged['rope_max_wavelength']!r}; expected >= 0 (0: every pair)")
-    horizon = float(merged["decay_horizon"])
-    if horizon < 0:
-        raise ValueError(f"invalid decay_horizon {merged['decay_horizon']!r}; expected >= 0 (0: no bound)")
-    if not float(merged["gate_init_decay"]) < decay_bound(horizon):
+    horizon = merged["decay_horizon"]
+    if not merged["gate_init_decay"] < decay_bound(horizon):
         raise ValueError(f"gate_init_decay {merged['gate_init_decay']} is not below exp(-1/decay_horizon) = "
                          f"{decay_bound(horizon):.6f}; lower gate_init_decay or raise decay_horizon")
-    for name in ("window", "sinks", "sparse_cache"):
-        if isinstance(merged[name], bool) or not isinstance(merged[name], int) or merged[name] < 0:
-            raise ValueError(f"invalid {name} {merged[name]!r}; expected a whole number >= 0")
     if merged["sinks"] and not merged["window"]:
         raise ValueError("sinks need a window: set window >= 1, or sinks to 0")
     if merged["sparse_cache"] and not merged["window"]:
@@ -94,11 +146,11 @@ def check_gla_options(opts):
     if merged["window"] and not merged["normalizer"]:
         raise ValueError("a window needs the normalizer (it shares the softmax's normalisation); turn the "
                          "normalizer on, or set window to 0")
-    if int(merged["gate_rank"]) < 1 or float(merged["gate_normalizer"]) <= 0:
-        raise ValueError("gate_rank must be >= 1 and gate_normalizer > 0")
 
 
 class GLASwapConfig(PretrainedConfig):
+    """The teacher's shape (the arguments below) and the GLA options, which come as keyword
+    arguments named in GLA_OPTIONS (each left out takes its default)."""
     model_type = "glaswap"
     keys_to_ignore_at_inference = ["past_key_values", "cache"]
 
@@ -126,22 +178,6 @@ class GLASwapConfig(PretrainedConfig):
         bos_token_id=1,
         eos_token_id=2,
         source_model_type="llama",
-        gate="lowrank",
-        gate_rank=16,
-        gate_normalizer=16.0,
-        gate_init_decay=0.98,
-        feature_map="hedgehog",
-        normalizer=True,
-        normalizer_eps=1e-6,
-        use_rope=True,
-        rope_max_wavelength=0.0,
-        decay_horizon=0.0,
-        state_heads="kv",
-        gla_backend="auto",
-        window=0,
-        sinks=0,
-        window_mix="shared",
-        sparse_cache=0,
         **kwargs,
     ):
         self.vocab_size = vocab_size
@@ -162,23 +198,14 @@ class GLASwapConfig(PretrainedConfig):
         self.qk_norm = qk_norm
         self.sliding_window = sliding_window
         self.source_model_type = source_model_type
-        self.gate = gate
-        self.gate_rank = gate_rank
-        self.gate_normalizer = gate_normalizer
-        self.gate_init_decay = gate_init_decay
-        self.feature_map = feature_map
-        self.normalizer = normalizer
-        self.normalizer_eps = normalizer_eps
-        self.use_rope = use_rope
-        self.rope_max_wavelength = rope_max_wavelength
-        self.decay_horizon = decay_horizon
-        self.state_heads = state_heads
-        self.gla_backend = gla_backend
-        self.window = window
-        self.sinks = sinks
-        self.window_mix = window_mix
-        self.sparse_cache = sparse_cache
-        check_gla_options({k: getattr(self, k) for k in GLA_OPTIONS})
+        # Every saved config.json carries transformers_version; one from before an option
+        # existed gets the value it was made with, not a new model's default.
+        saved = "transformers_version" in kwargs
+        gla = {name: kwargs.pop(name, BEFORE_OPTION.get(name, opt.default) if saved else opt.default)
+               for name, opt in GLA_OPTIONS.items()}
+        check_gla_options(gla)
+        for name, value in gla.items():
+            setattr(self, name, value)
         super().__init__(pad_token_id=pad_token_id, bos_token_id=bos_token_id, eos_token_id=eos_token_id,
                          tie_word_embeddings=tie_word_embeddings, **kwargs)
 
