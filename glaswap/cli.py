@@ -41,8 +41,8 @@ def _end_torchrun_worker(code: int):
     worker thread can still hold the last reference to a finished collective, whose tensors
     need the GIL to be freed; the finalizing interpreter makes that thread exit, and the
     process dies of SIGABRT ("terminate called without an active exception") after its work
-    was written (seen ~1 run in 15 on 2 busy CPU cores). Everything is saved and the process
-    group closed by now, so only the standard streams need flushing. One process: no-op."""
+    was written. Everything is saved and the process group closed by now, so only the standard
+    streams need flushing. One process: no-op."""
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
         sys.stdout.flush()
         sys.stderr.flush()
@@ -255,8 +255,8 @@ def passkey(model, lengths, depths, trials, teacher, no_teacher, seed, filler, s
             trust_remote_code):
     """Passkey retrieval of MODEL and its teacher: a 5-digit key stated once in filler text, asked
     for at the end, answered by greedy decoding; accuracy by prompt length and key depth."""
-    from glaswap.generate import parse_contexts
     from glaswap.passkey import parse_depths, passkey as run_passkey
+    from glaswap.runtime import parse_contexts
 
     run_passkey(model, lengths=parse_contexts(lengths), depths=parse_depths(depths), trials=trials,
                 teacher=None if no_teacher else teacher, seed=seed, out=out, device=device, dtype=dtype,
@@ -290,7 +290,8 @@ def generate(model, prompt, max_new_tokens, temperature, seed, graph, device, be
              new_tokens, teacher, out, sparse_cache, trust_remote_code):
     """Continue a prompt with MODEL (streamed), or with --bench compare its decode speed and memory
     with the teacher's."""
-    from glaswap.generate import bench_model, generate_text, parse_contexts
+    from glaswap.generate import bench_model, generate_text
+    from glaswap.runtime import parse_contexts
 
     if bench:
         bench_model(model, teacher=teacher, contexts=parse_contexts(contexts) if contexts else None,

@@ -24,33 +24,10 @@ import torch
 from glaswap.errors import GlaswapError
 from glaswap.longcontext import (by_absolute_position, format_by_position, one_pass_nll, plot_absolute,
                                  teacher_positions)
-from glaswap.runtime import (atomic_write, check_model_folder, load_student, load_teacher, load_tokenizer,
-                             pick_device, pick_dtype, teacher_source, versions)
-from glaswap.scoring import token_kl, token_nll
+from glaswap.runtime import atomic_write, open_model, read_text_file, versions
+from glaswap.scoring import perplexity, token_kl, token_nll
 
 ROLES = ("student", "teacher", "stateful")
-
-
-# --------------------------------------------------------------------------- inputs
-def read_text_file(path) -> str:
-    """A file's text, or a one-line error for a missing, unreadable, empty or binary file."""
-    path = Path(path)
-    if not path.exists():
-        raise GlaswapError(f"{path} does not exist; pass a UTF-8 text file")
-    if path.is_dir():
-        raise GlaswapError(f"{path} is a folder; pass UTF-8 text files")
-    try:
-        data = path.read_bytes()
-    except OSError as e:
-        raise GlaswapError(f"{path} cannot be read ({e.strerror or e}); check its permissions")
-    if not data.strip():
-        raise GlaswapError(f"{path} is empty; pass a file with text in it")
-    if b"\0" in data:
-        raise GlaswapError(f"{path} is a binary file (it has NUL bytes); pass a UTF-8 text file")
-    try:
-        return data.decode("utf-8")
-    except UnicodeDecodeError as e:
-        raise GlaswapError(f"{path} is not UTF-8 text (bad byte at offset {e.start}); convert it to UTF-8 first")
 
 
 # --------------------------------------------------------------------------- windows
@@ -213,8 +190,8 @@ def _score_teacher_one_pass(docs, student, teacher, device, bar) -> tuple[list[n
 
 
 def _summary(nll_sum, tokens, nbytes):
-    mean = nll_sum / max(tokens, 1)
-    return {"nll": mean, "ppl": math.exp(min(mean, 700.0)), "bpb": nll_sum / math.log(2) / max(nbytes, 1)}
+    return {"nll": nll_sum / max(tokens, 1), "ppl": perplexity(nll_sum, tokens),
+            "bpb": nll_sum / math.log(2) / max(nbytes, 1)}
 
 
 def _file_figures(d: Document) -> dict:
@@ -287,28 +264,22 @@ def evaluate(model_dir, texts, teacher: str = "auto", context: int = 512, stride
         raise GlaswapError("no text files given; pass --text FILE [FILE ...]")
     if first_bin < 1:
         raise GlaswapError(f"--first-bin {first_bin} must be at least 1 token")
-    meta = check_model_folder(model_dir)
     contents = [(p, read_text_file(p)) for p in texts]   # all bad input is reported before any loading
-    t_kind, t_path, t_desc = teacher_source(model_dir, meta, teacher)
-    dev = pick_device(device)
-    dt = pick_dtype(dtype, dev)
+
+    def documents(tok):
+        return [Document(p, text, tok, max_tokens, context, stride, bos) for p, text in contents]
 
     started = time.time()
-    tok = load_tokenizer(model_dir, trust_remote_code)
-    docs = [Document(p, text, tok, max_tokens, context, stride, bos) for p, text in contents]
-    student = load_student(model_dir, dev, dt, sparse_cache)
-    student.set_attention_mode("gla")
+    run = open_model(model_dir, device, dtype, teacher, sparse_cache, trust_remote_code=trust_remote_code,
+                     before_load=documents, log=log)
+    dev, dt, student, teacher_model, docs = run.device, run.dtype, run.student, run.teacher, run.prepared
     if dev.type == "cuda" and student.config.window and student.config.sparse_cache:
         from glaswap.decode_graph import enable_decode_graph
 
         enable_decode_graph(student)    # the stateful column's sparse-cache blocks from a CUDA graph
-    teacher_model = None
-    if t_kind != "self":
-        log(f"loading teacher {t_desc.get('spec', t_path)}")
-        teacher_model = load_teacher(t_kind, t_path, dev, dt, trust_remote_code)
-        if teacher_model.config.vocab_size != student.config.vocab_size:
-            raise GlaswapError(f"the teacher's vocabulary ({teacher_model.config.vocab_size}) differs from the "
-                               f"model's ({student.config.vocab_size}); pass the model it was converted from")
+    if teacher_model is not None and teacher_model.config.vocab_size != student.config.vocab_size:
+        raise GlaswapError(f"the teacher's vocabulary ({teacher_model.config.vocab_size}) differs from the "
+                           f"model's ({student.config.vocab_size}); pass the model it was converted from")
 
     window_tokens = sum(end - begin for d in docs for begin, end, _ in d.windows)
     total = 2 * window_tokens + sum(len(d) for d in docs) * (2 if by_position else 1)
@@ -322,7 +293,7 @@ def evaluate(model_dir, texts, teacher: str = "auto", context: int = 512, stride
 
     result = {
         "model": str(model_dir),
-        "teacher": t_desc,
+        "teacher": run.teacher_desc,
         "settings": {"context": context, "stride": stride, "max_tokens": max_tokens, "batch_size": batch_size,
                      "device": str(dev), "dtype": str(dt).replace("torch.", ""), "bos": bos},
         "files": [_file_figures(d) for d in docs],

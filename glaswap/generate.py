@@ -17,8 +17,7 @@ import torch
 from glaswap.decode_graph import check_decode_graph, disable_decode_graph, enable_decode_graph, want_graph
 from glaswap.errors import GlaswapError
 from glaswap.models.modeling_glaswap import CACHE_NAME, cache_of
-from glaswap.runtime import (atomic_write, check_model_folder, load_student, load_teacher, load_tokenizer,
-                             pick_device, pick_dtype, teacher_source, versions)
+from glaswap.runtime import atomic_write, load_student, open_model, pick_device, pick_dtype, versions
 
 DEFAULT_CONTEXTS = (1024, 4096, 16384, 32768)
 CPU_CONTEXTS = (64, 256)
@@ -50,11 +49,9 @@ def generate_text(model_dir, prompt: str, max_new_tokens: int = 128, temperature
         raise GlaswapError(f"--max-new-tokens {max_new_tokens} must be at least 1")
     if temperature < 0:
         raise GlaswapError(f"--temperature {temperature} must be >= 0 (0 is greedy)")
-    check_model_folder(model_dir)
-    dev = pick_device(device)
-    use_graph = want_graph(graph, dev)
-    tok = load_tokenizer(model_dir, trust_remote_code)
-    model = load_student(model_dir, dev, pick_dtype("auto", dev), sparse_cache)
+    use_graph = want_graph(graph, pick_device(device))
+    run = open_model(model_dir, device, sparse_cache=sparse_cache, trust_remote_code=trust_remote_code, log=log)
+    dev, tok, model = run.device, run.tokenizer, run.student
     runner = enable_decode_graph(model) if use_graph else None
     ids = tok(prompt, return_tensors="pt").to(dev)
     eos = model.generation_config.eos_token_id
@@ -203,22 +200,6 @@ def format_bench(rows, header=True) -> str:
     return "\n".join(lines)
 
 
-def parse_contexts(text: str) -> list[int]:
-    """'1024,4K,16k' -> [1024, 4096, 16384]."""
-    out = []
-    for part in str(text).split(","):
-        part = part.strip().lower()
-        mult = 1024 if part.endswith("k") else 1
-        try:
-            value = int(part[:-1] if mult > 1 else part) * mult
-        except ValueError:
-            raise GlaswapError(f"invalid context {part!r} in --contexts; write them like 1024,4K,16K")
-        if value < 1:
-            raise GlaswapError(f"invalid context {value} in --contexts; contexts must be at least 1 token")
-        out.append(value)
-    return out
-
-
 def plot_bench(rows, path: Path, title: str):
     import matplotlib
 
@@ -273,26 +254,19 @@ def bench_model(model_dir, teacher: str = "auto", contexts=None, batch_size: int
                 trust_remote_code: bool = False, sparse_cache: int | None = None, log=print) -> dict:
     """`glaswap generate --bench`: the model folder against its teacher (or --teacher PATH / none).
     trust_remote_code: run Python code that the teacher's folder ships."""
-    meta = check_model_folder(model_dir)
-    dev = pick_device(device)
-    if contexts is None:
-        contexts = DEFAULT_CONTEXTS if dev.type == "cuda" else CPU_CONTEXTS
     if batch_size < 1 or new_tokens < 1:
         raise GlaswapError("--batch-size and --new-tokens must be at least 1")
-    dtype = pick_dtype(dtype, dev)
-    student = load_student(model_dir, dev, dtype, sparse_cache)
-    teacher_model, t_desc = None, None
-    if teacher != "none":
-        kind, path, t_desc = teacher_source(model_dir, meta, teacher)
-        if kind == "self":
-            raise GlaswapError("--teacher self has no KV cache to benchmark; pass auto, a PATH or none")
-        log(f"loading teacher {t_desc.get('spec', path)}")
-        teacher_model = load_teacher(kind, path, dev, dtype, trust_remote_code)
-    log(f"decode benchmark on {dev} ({str(dtype).replace('torch.', '')}), batch {batch_size}, "
-        f"{new_tokens} timed steps per context")
-    rows = bench_decode(student, teacher_model, contexts, batch_size, new_tokens, graph, log=log)
-    extra = {"model": str(model_dir), "teacher": t_desc, "device": str(dev),
-             "dtype": str(dtype).replace("torch.", ""), "versions": versions()}
+    if teacher == "self":
+        raise GlaswapError("--teacher self has no KV cache to benchmark; pass auto, a PATH or none")
+    run = open_model(model_dir, device, dtype, teacher=None if teacher == "none" else teacher,
+                     sparse_cache=sparse_cache, tokenizer=False, trust_remote_code=trust_remote_code, log=log)
+    if contexts is None:
+        contexts = DEFAULT_CONTEXTS if run.device.type == "cuda" else CPU_CONTEXTS
+    dtype_name = str(run.dtype).replace("torch.", "")
+    log(f"decode benchmark on {run.device} ({dtype_name}), batch {batch_size}, {new_tokens} timed steps per context")
+    rows = bench_decode(run.student, run.teacher, contexts, batch_size, new_tokens, graph, log=log)
+    extra = {"model": str(model_dir), "teacher": run.teacher_desc, "device": str(run.device), "dtype": dtype_name,
+             "versions": versions()}
     out = Path(out) if out is not None else Path(model_dir) / "eval"
     extra["outputs"] = write_bench(rows, out, f"{Path(model_dir).name}: decode, batch {batch_size}", extra)
     log(f"wrote {extra['outputs']['json']} and {extra['outputs']['png']}")

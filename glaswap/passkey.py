@@ -25,8 +25,7 @@ import numpy as np
 import torch
 
 from glaswap.errors import GlaswapError
-from glaswap.runtime import (atomic_write, check_model_folder, load_student, load_teacher, load_tokenizer,
-                             pick_device, pick_dtype, teacher_source, versions)
+from glaswap.runtime import atomic_write, open_model, read_text_file, versions
 
 INTRO = "There is a pass key hidden in this text. Find it and remember it, you will be asked for it."
 FILLER = " The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again."
@@ -154,23 +153,14 @@ def passkey(model_dir, lengths=(1024, 2048, 4096, 8192, 16384, 32768), depths=(0
     if not lengths or min(lengths) < 1:
         raise GlaswapError("pass at least one length of 1 token or more")
     model_dir = Path(model_dir)
-    meta = check_model_folder(model_dir)
-    dev = pick_device(device)
-    dt = pick_dtype(dtype, dev)
-    tok = load_tokenizer(model_dir, trust_remote_code)
-    text_ids = _filler_ids(tok, filler) if filler is not None else None
-    student = load_student(model_dir, dev, dt, sparse_cache)
-    student.set_attention_mode("gla")
+    run = open_model(model_dir, device, dtype, teacher, sparse_cache, trust_remote_code=trust_remote_code,
+                     before_load=lambda tok: _filler_ids(tok, filler) if filler is not None else None, log=log)
+    dev, dt, tok, student, teacher_model = run.device, run.dtype, run.tokenizer, run.student, run.teacher
+    t_desc, text_ids = run.teacher_desc, run.prepared
     if dev.type == "cuda":
         from glaswap.decode_graph import enable_decode_graph
 
         enable_decode_graph(student)    # decode steps and a sparse cache's prompt blocks from CUDA graphs
-    t_desc, teacher_model = None, None
-    if teacher is not None:
-        t_kind, t_path, t_desc = teacher_source(model_dir, meta, teacher)
-        if t_kind != "self":
-            log(f"loading teacher {t_desc.get('spec', t_path)}")
-            teacher_model = load_teacher(t_kind, t_path, dev, dt, trust_remote_code)
     rng = np.random.default_rng(seed)
     keys = {(L, d): [str(k) for k in rng.integers(10000, 100000, size=trials)] for L in lengths for d in depths}
     # where each key's filler starts in the text (drawn after the keys: the keys do not change)
@@ -193,8 +183,6 @@ def passkey(model_dir, lengths=(1024, 2048, 4096, 8192, 16384, 32768), depths=(0
 
 
 def _filler_ids(tokenizer, path) -> list[int]:
-    from glaswap.evaluate import read_text_file
-
     try:
         text = read_text_file(path)
     except GlaswapError as e:

@@ -6,13 +6,11 @@ GLA mode, so perplexity of both and KL(teacher || student) come from the same we
 
 from __future__ import annotations
 
-import math
-
 import torch
 
 from glaswap.runtime import pick_device, pick_dtype, tokenizer_from
 from glaswap.sample_text import SAMPLE_TEXT
-from glaswap.scoring import token_kl, token_nll
+from glaswap.scoring import teacher_and_student, token_kl, token_nll
 
 
 @torch.no_grad()
@@ -29,9 +27,7 @@ def compare(model, ids) -> dict:
     s_logits = _next_token_logits(model, ids, "gla")
     t_nll, s_nll = token_nll(t_logits, ids[:, 1:]), token_nll(s_logits, ids[:, 1:])
     kl = token_kl(t_logits, s_logits)
-    return {"tokens": int(t_nll.numel()),
-            "teacher_ppl": math.exp(t_nll.mean().item()),
-            "student_ppl": math.exp(min(s_nll.mean().item(), 700.0)),
+    return {**teacher_and_student(t_nll.double().sum().item(), s_nll.double().sum().item(), t_nll.numel()),
             "kl": kl.mean().item()}
 
 

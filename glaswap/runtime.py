@@ -1,5 +1,6 @@
-"""What the commands share: devices and dtypes, loading a glaswap model, its teacher and its
-tokenizer, writing a file atomically, and the versions recorded beside every result."""
+"""What the commands share: devices and dtypes, opening a glaswap model with its teacher and its
+tokenizer, reading text files, writing a file atomically, and the versions recorded beside
+every result."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import json
 import os
 import platform
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -192,6 +194,95 @@ def _config_has_auto_map(folder) -> bool:
     except (OSError, ValueError):
         return False
     return isinstance(cfg, dict) and bool(cfg.get("auto_map"))
+
+
+@dataclass
+class Opened:
+    """A glaswap model opened for a command (`open_model`)."""
+    folder: Path
+    meta: dict                              # its glaswap.json
+    device: torch.device
+    dtype: torch.dtype
+    tokenizer: object | None                # None where the command asked for none
+    student: torch.nn.Module                # in GLA mode
+    teacher: torch.nn.Module | None         # None without one, and for "self" (the student's softmax mode)
+    teacher_desc: dict | None               # teacher_source's description; None without a teacher
+    prepared: object = None                 # what before_load returned
+
+
+def open_model(model_dir, device: str = "auto", dtype: str = "auto", teacher: str | None = None,
+               sparse_cache: int | None = None, tokenizer: bool = True, trust_remote_code: bool = False,
+               before_load=None, log=print) -> Opened:
+    """Check MODEL's folder, pick the device and dtype, load its tokenizer, the student and the
+    teacher: None (no teacher), "self" (no second model: the student's own softmax attention),
+    "auto" (the source recorded in glaswap.json) or a folder / .gguf file.
+
+    What needs no weights is checked before any are loaded, so a bad option costs no loading:
+    the folder, the teacher's source, the device, then `before_load(tokenizer)`, where a
+    command reads its own input with the tokenizer (the texts it will score, say; what it
+    returns is `prepared`). trust_remote_code: run Python code that the tokenizer's or the
+    teacher's folder ships."""
+    folder = Path(model_dir)
+    meta = check_model_folder(folder)
+    kind = path = desc = None
+    if teacher is not None:
+        kind, path, desc = teacher_source(folder, meta, teacher)
+    dev = pick_device(device)
+    dt = pick_dtype(dtype, dev)
+    tok = load_tokenizer(folder, trust_remote_code) if tokenizer else None
+    prepared = before_load(tok) if before_load is not None else None
+    student = load_student(folder, dev, dt, sparse_cache)
+    student.set_attention_mode("gla")
+    teacher_model = None
+    if kind not in (None, "self"):
+        log(f"loading teacher {desc.get('spec', path)}")
+        teacher_model = load_teacher(kind, path, dev, dt, trust_remote_code)
+    return Opened(folder, meta, dev, dt, tok, student, teacher_model, desc, prepared)
+
+
+# --------------------------------------------------------------------------- reading
+def decode_text(data: bytes, what, binary_fix: str = "pass a UTF-8 text file",
+                encoding_fix: str = "convert it to UTF-8 first") -> str:
+    """`data` as UTF-8 text, or a one-line error naming `what` for binary data (NUL bytes) or
+    another encoding. The fixes end those lines: what to do differs between commands."""
+    if b"\0" in data:
+        raise GlaswapError(f"{what} is a binary file (it has NUL bytes); {binary_fix}")
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise GlaswapError(f"{what} is not UTF-8 text (bad byte at offset {e.start}); {encoding_fix}")
+
+
+def read_text_file(path) -> str:
+    """A file's text, or a one-line error for a missing, unreadable, empty or binary file."""
+    path = Path(path)
+    if not path.exists():
+        raise GlaswapError(f"{path} does not exist; pass a UTF-8 text file")
+    if path.is_dir():
+        raise GlaswapError(f"{path} is a folder; pass UTF-8 text files")
+    try:
+        data = path.read_bytes()
+    except OSError as e:
+        raise GlaswapError(f"{path} cannot be read ({e.strerror or e}); check its permissions")
+    if not data.strip():
+        raise GlaswapError(f"{path} is empty; pass a file with text in it")
+    return decode_text(data, path)
+
+
+def parse_contexts(text: str) -> list[int]:
+    """'1024,4K,16k' -> [1024, 4096, 16384]."""
+    out = []
+    for part in str(text).split(","):
+        part = part.strip().lower()
+        mult = 1024 if part.endswith("k") else 1
+        try:
+            value = int(part[:-1] if mult > 1 else part) * mult
+        except ValueError:
+            raise GlaswapError(f"invalid context {part!r} in --contexts; write them like 1024,4K,16K")
+        if value < 1:
+            raise GlaswapError(f"invalid context {value} in --contexts; contexts must be at least 1 token")
+        out.append(value)
+    return out
 
 
 # --------------------------------------------------------------------------- writing

@@ -17,8 +17,9 @@ from helpers import randomise_new_parameters, save_teacher, tiny_teacher
 from glaswap.cli import main
 from glaswap.convert import convert
 from glaswap.errors import GlaswapError
-from glaswap.evaluate import evaluate, read_text_file, windows
+from glaswap.evaluate import evaluate, windows
 from glaswap.models.modeling_glaswap import GLASwapForCausalLM
+from glaswap.runtime import read_text_file
 
 QUIET = dict(progress=False, log=lambda *_: None)
 

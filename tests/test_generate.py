@@ -17,9 +17,10 @@ from helpers import randomise_new_parameters, run_without_glaswap, save_teacher,
 from glaswap.cli import main
 from glaswap.convert import convert
 from glaswap.decode_graph import DecodeGraph, check_decode_graph, disable_decode_graph, enable_decode_graph
-from glaswap.generate import bench_model, bench_random, parse_contexts
 from glaswap.errors import GlaswapError
+from glaswap.generate import bench_model, bench_random
 from glaswap.models.modeling_glaswap import CACHE_NAME, GLASwapCache, GLASwapForCausalLM, cache_of
+from glaswap.runtime import parse_contexts
 
 # name: (teacher arch, tied embeddings, GLA options)
 VARIANTS = {

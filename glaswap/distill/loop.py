@@ -20,7 +20,7 @@ from glaswap.distill.parallel import Dist
 from glaswap.distill.recipe import Recipe, Stage1, Stage2
 from glaswap.distill.student import adapters_off
 from glaswap.errors import GlaswapError
-from glaswap.scoring import token_nll
+from glaswap.scoring import teacher_and_student, token_nll
 
 
 class Interrupted(Exception):
@@ -77,9 +77,9 @@ def _autocast(device, dtype):
 def _to_device(batch, device):
     """The batch on `device`. On a GPU a batch without document boundaries inside its blocks
     still gets cu_seqlens (one document per row): every batch then runs the same packed
-    kernel variants, where a plain [B, T] batch would compile a second set the first time
-    one comes (~14 s mid-run on an H200 with Triton's cache empty). The CPU keeps plain
-    batches, which its PyTorch paths handle whole rather than document by document."""
+    kernel variants, where a plain [B, T] batch would make Triton compile a second set mid-run
+    the first time one comes. The CPU keeps plain batches, which its PyTorch paths handle
+    whole rather than document by document."""
     batch = {k: (v.to(device, non_blocking=True) if v is not None else None) for k, v in batch.items()}
     if "cu_seqlens" in batch and batch["cu_seqlens"] is None and torch.device(device).type == "cuda":
         B, T = batch["input_ids"].shape
@@ -205,5 +205,4 @@ def evaluate_blocks(lm, blocks, max_tokens, batch_size, device, dtype, dist) -> 
         sums[2] += weight * valid.sum()
     lm.train()
     sums = dist.sum(sums)
-    t, s, count = sums.tolist()
-    return {"tokens": int(count), "teacher_ppl": math.exp(t / count), "student_ppl": math.exp(min(s / count, 700))}
+    return teacher_and_student(*sums.tolist())
