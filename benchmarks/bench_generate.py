@@ -15,8 +15,9 @@ cache, whose prompts are read in blocks (graph-replayed on CUDA):
 
     python benchmarks/bench_generate.py --option window=128 --option sinks=4 --option sparse_cache=64
 
-The benchmark itself is `glaswap.generate.bench_random` (random weights) and `bench_model` (a folder); this script
-only reads the arguments and prints what the machine runs.
+The benchmark itself is `bench_random` of benchmarks/random_models.py (random weights) and
+`glaswap.generate.bench_model` (a folder); this script only reads the arguments and prints
+what the machine runs.
 
 Runs from the repo root without glaswap installed: the repo root is put on sys.path and,
 when `glaswap_kernels` is not importable (no install), the checkout's glaswap_kernels/ is
@@ -57,8 +58,10 @@ import torch  # noqa: E402
 def main(argv=None):
     from glaswap.distill.recipe import parse_override
     from glaswap.errors import GlaswapError
-    from glaswap.generate import RANDOM_SHAPES, bench_model, bench_random, parse_contexts
-    from glaswap.runtime import DTYPES, pick_device
+    from random_models import RANDOM_SHAPES, bench_random
+
+    from glaswap.generate import bench_model
+    from glaswap.runtime import DTYPES, parse_contexts, pick_device
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("model", nargs="?", help="a glaswap model folder (default: random SmolLM2-135M shape)")

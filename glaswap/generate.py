@@ -8,7 +8,6 @@ from __future__ import annotations
 import gc
 import importlib.util
 import json
-import tempfile
 import time
 from pathlib import Path
 
@@ -17,22 +16,10 @@ import torch
 from glaswap.decode_graph import check_decode_graph, disable_decode_graph, enable_decode_graph, want_graph
 from glaswap.errors import GlaswapError
 from glaswap.models.modeling_glaswap import CACHE_NAME, cache_of
-from glaswap.runtime import atomic_write, load_student, open_model, pick_device, pick_dtype, versions
+from glaswap.runtime import atomic_write, open_model, pick_device, versions
 
 DEFAULT_CONTEXTS = (1024, 4096, 16384, 32768)
 CPU_CONTEXTS = (64, 256)
-RANDOM_SHAPES = {
-    # SmolLM2-135M (HuggingFaceTB/SmolLM2-135M config.json)
-    "smollm2": dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
-                    num_attention_heads=9, num_key_value_heads=3, head_dim=64, tie_word_embeddings=True,
-                    rms_norm_eps=1e-5, rope_parameters={"rope_type": "default", "rope_theta": 100000.0},
-                    max_position_embeddings=65536, bos_token_id=1, eos_token_id=2),
-    # a few-millisecond model to check the benchmark itself on a CPU
-    "tiny": dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                 num_attention_heads=4, num_key_value_heads=2, head_dim=16, tie_word_embeddings=True,
-                 rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
-                 max_position_embeddings=65536, bos_token_id=1, eos_token_id=2),
-}
 
 
 # --------------------------------------------------------------------------- text generation
@@ -270,45 +257,4 @@ def bench_model(model_dir, teacher: str = "auto", contexts=None, batch_size: int
     out = Path(out) if out is not None else Path(model_dir) / "eval"
     extra["outputs"] = write_bench(rows, out, f"{Path(model_dir).name}: decode, batch {batch_size}", extra)
     log(f"wrote {extra['outputs']['json']} and {extra['outputs']['png']}")
-    return {"rows": rows, **extra}
-
-
-def random_models(shape: str, dtype, device, workdir: Path, seed: int = 0, options: dict | None = None):
-    """(GLA student, teacher): a Llama of RANDOM_SHAPES[shape] with random weights (the
-    teacher), saved to `workdir` and converted by glaswap.convert with `options` (the student)."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    from glaswap.convert import convert
-
-    torch.manual_seed(seed)
-    teacher = LlamaForCausalLM(LlamaConfig(**RANDOM_SHAPES[shape])).to(torch.bfloat16)
-    teacher.save_pretrained(str(workdir / "teacher"))
-    convert(str(workdir / "teacher"), workdir / "gla", options=options, report=False, dtype="bfloat16",
-            log=lambda *_: None)
-    student = load_student(workdir / "gla", device, dtype)
-    return student, teacher.to(device=device, dtype=dtype).eval()
-
-
-def bench_random(shape: str = "smollm2", contexts=None, batch_size: int = 1, new_tokens: int = 64,
-                 graph: str = "auto", device: str = "auto", dtype: str = "auto", teacher: bool = True, out=None,
-                 options: dict | None = None, log=print) -> dict:
-    """The decode benchmark with no model to download: a random Llama of RANDOM_SHAPES[shape]
-    against its conversion (with convert's `options`); decode_bench.json and .png go to `out`
-    when it is given."""
-    dev = pick_device(device)
-    dt = pick_dtype(dtype, dev)
-    if contexts is None:
-        contexts = DEFAULT_CONTEXTS if dev.type == "cuda" else CPU_CONTEXTS
-    with tempfile.TemporaryDirectory(prefix="glaswap-bench-") as tmp:
-        started = time.time()
-        student, teacher_model = random_models(shape, dt, dev, Path(tmp), options=options)
-        log(f"built and converted a random {shape}-shaped Llama in {time.time() - started:.0f} s")
-        rows = bench_decode(student, teacher_model if teacher else None, contexts, batch_size, new_tokens, graph,
-                            log=log)
-    extra = {"model": f"random {shape}", "options": options or {}, "device": str(dev),
-             "dtype": str(dt).replace("torch.", "")}
-    if out is not None:
-        paths = write_bench(rows, Path(out), f"random {shape}: decode, batch {batch_size}", extra)
-        log(f"wrote {paths['json']} and {paths['png']}")
-        extra["outputs"] = paths
     return {"rows": rows, **extra}

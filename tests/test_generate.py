@@ -18,7 +18,7 @@ from glaswap.cli import main
 from glaswap.convert import convert
 from glaswap.decode_graph import DecodeGraph, check_decode_graph, disable_decode_graph, enable_decode_graph
 from glaswap.errors import GlaswapError
-from glaswap.generate import bench_model, bench_random
+from glaswap.generate import bench_model
 from glaswap.models.modeling_glaswap import CACHE_NAME, GLASwapCache, GLASwapForCausalLM, cache_of
 from glaswap.runtime import parse_contexts
 
@@ -649,9 +649,12 @@ def test_cli_generate_without_prompt(folders):
 
 
 # ----------------------------------------------------------------------------- the random-model benchmark
-def test_bench_random_model(tmp_path):
+def test_bench_random_model(tmp_path, monkeypatch):
     """What benchmarks/bench_generate.py runs without a model folder: a random tiny Llama
     against its conversion, the table logged and decode_bench.json written."""
+    monkeypatch.syspath_prepend(str(helpers.REPO / "benchmarks"))
+    from random_models import bench_random
+
     lines = []
     bench_random("tiny", contexts=[8, 16], new_tokens=2, dtype="float32", out=tmp_path / "out", log=lines.append)
     output = "\n".join(lines)
