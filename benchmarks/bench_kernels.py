@@ -6,7 +6,7 @@ glaswap's fused_chunk_gla and of torch SDPA (flash backend, causal), the ratio S
 Before timing, every shape is checked in bf16 against the float32 chunked PyTorch form
 (relative RMS of o, dq, dk, dv, dg) and marked pass/fail.
 
-    python benchmarks/bench_kernels.py                 # full table (~2-4 min on an H200)
+    python benchmarks/bench_kernels.py                 # full table
     python benchmarks/bench_kernels.py --quick         # 4 shapes, fewer repetitions
     python benchmarks/bench_kernels.py --only glaswap --json out.json
     python benchmarks/bench_kernels.py --set warps_g=4 --set BK_g=64   # tuning overrides
@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-HBM_BYTES_PER_S = 4.3e12          # H200 copy bandwidth measured (KERNEL-NOTES.md)
+HBM_BYTES_PER_S = 4.3e12          # an H200's copy bandwidth: the floor's bytes per second (docs/kernels.md)
 DRY_RUN = False                   # --dry-run: CPU, Triton interpreter, tiny shapes
 FLA_TIMEOUT = 900                 # seconds per fla release (--fla-timeout)
 # The seed kernel's fwd+bwd ms on one H200 (../shared/seed/README.md, bf16): the issue's
