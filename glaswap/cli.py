@@ -219,11 +219,29 @@ _SPARSE_HELP = ("Keep this many older tokens of each of a hybrid MODEL's layers 
               help="Width of the first --by-position bin (tokens); each later bin doubles.")
 @click.option("--sparse-cache", type=click.IntRange(0), default=None,
               help=_SPARSE_HELP + " Only the stateful column reads with a cache.")
+@click.option("--tasks", "task_list", default=None, metavar="NAMES",
+              help="Score lm-eval tasks instead of text: comma-separated, of piqa, hellaswag, winogrande, "
+                   "arc_easy, arc_challenge, openbookqa, sciq, mmlu; zeroshot and fewshot name the standard "
+                   "sets (fewshot: ARC-C 25, HellaSwag 10, WinoGrande 5, MMLU 5 shots).")
+@click.option("--num-fewshot", type=int, default=None,
+              help="Shots for every task (default: 0, or the fewshot set's).")
+@click.option("--limit", type=int, default=None,
+              help="Score only the first N items of each task (MMLU: of each subject).")
 @_friendly
 def eval_(model, more_texts, texts, teacher, context, stride, max_tokens, batch_size, out, device, dtype,
-          trust_remote_code, bos, by_position, first_bin, sparse_cache):
+          trust_remote_code, bos, by_position, first_bin, sparse_cache, task_list, num_fewshot, limit):
     """Perplexity and bits per byte of MODEL and its teacher on identical windows of text files,
-    plus MODEL reading each file in one pass with its recurrent state (the "stateful" column)."""
+    plus MODEL reading each file in one pass with its recurrent state (the "stateful" column);
+    with --tasks, both on zero- and few-shot tasks (lm-evaluation-harness, data read offline)."""
+    if task_list is not None:
+        from glaswap.tasks import evaluate_tasks
+
+        if texts or more_texts:
+            raise GlaswapError("--tasks scores tasks, not text files; run eval once for each")
+        evaluate_tasks(model, task_list, num_fewshot=num_fewshot, limit=limit, teacher=teacher,
+                       batch_size=batch_size, out=out, device=device, dtype=dtype,
+                       trust_remote_code=trust_remote_code, log=click.echo)
+        return
     from glaswap.evaluate import evaluate
 
     evaluate(model, list(texts) + list(more_texts), teacher=teacher, context=context, stride=stride,
