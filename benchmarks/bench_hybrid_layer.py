@@ -4,7 +4,7 @@ teacher's softmax attention (SDPA), forward+backward, bf16.
 The layer is glaswap's GLAAttention at a Llama-3.2-1B attention shape (hidden 2048, 32 heads,
 8 KV heads, D 64; hedgehog_pm maps, low-rank gate, normaliser) and at H16 D128 (hidden 2048,
 16 heads, 8 KV heads); gradients reach every parameter and the input, as in stage 2. The table
-gives median ms and the ratios the hybrid-layer issue sets: hybrid / pure GLA (target <= 1.25)
+gives median ms and the ratios a hybrid layer is held to: hybrid / pure GLA (target <= 1.25)
 and teacher / hybrid (target >= 1.5 at T = 2048). On CUDA each row also gives the GPU's own
 time, the sum of the kernels of one forward+backward (torch profiler): one layer alone can be
 bound by the host's launches, which a whole model's step hides when the GPU is the bottleneck.

@@ -5,7 +5,7 @@ For each shape, forward+backward median ms of:
 - gla: glaswap_kernels.ops.chunk_gla with the in-kernel normaliser on hedgehog-sized
   inputs (feature maps as wide as the head: K = V = D; --pm: K = 2D, hedgehog_pm);
 - sdpa: F.scaled_dot_product_attention, flash backend, causal, same [B, T, H, D].
-It prints window/gla (the issue's target for a hybrid layer, (gla + window)/gla <= 1.25,
+It prints window/gla (the target for a hybrid layer, (gla + window)/gla <= 1.25,
 needs <= 0.25), (gla + window)/gla and sdpa/(gla + window) (target >= 1.5 at T = 2048).
 Each shape is first checked in bf16 against the float32 reference on its first 2048 tokens.
 
