@@ -80,7 +80,7 @@ def _gla_options(fn):
     return fn
 
 
-@main.command()
+@main.command(short_help="Convert a Llama-family model (folder, .gguf, hub id) to GLA.")
 @click.argument("source")
 @click.argument("out", type=click.Path(file_okay=False))
 @_gla_options
@@ -101,7 +101,8 @@ def convert(source, out, dtype, max_shard_size, seed, report, force, trust_remot
         seed=seed, trust_remote_code=trust_remote_code, log=click.echo)
 
 
-@main.command(context_settings={"ignore_unknown_options": False})
+@main.command(context_settings={"ignore_unknown_options": False},
+              short_help="Distil a converted model from its teacher, as a recipe says.")
 @click.option("--recipe", "recipe_path", required=True, metavar="NAME|FILE",
               help="A shipped recipe's name (`glaswap recipes` lists them) or a recipe YAML file.")
 @click.argument("overrides", nargs=-1)
@@ -140,7 +141,7 @@ def distill(recipe_path, overrides, out, resume, force, stop_after, trust_remote
     _end_torchrun_worker(0)
 
 
-@main.group(invoke_without_command=True)
+@main.group(invoke_without_command=True, short_help="List the shipped recipes; `recipes cp` copies one.")
 @click.pass_context
 def recipes(ctx):
     """List the shipped distillation recipes, one line each; `recipes cp NAME FILE` copies one to edit."""
@@ -176,6 +177,9 @@ def recipes_cp(name, file, force):
     if dest.exists() and not force:
         raise GlaswapError(f"{dest} already exists; choose another FILE, or pass --force to replace it")
     text = shipped[name].read_text()
+    # the header's first line is the command that runs the recipe: make it run this copy
+    first, _, rest = text.partition("\n")
+    text = first.replace(f"--recipe {name}", f"--recipe {dest}", 1) + "\n" + rest
     atomic_write(dest, lambda tmp: tmp.write_text(text))
     click.echo(f"wrote {dest}; run it with: glaswap distill --recipe {dest}")
 
@@ -192,7 +196,7 @@ _SPARSE_HELP = ("Keep this many older tokens of each of a hybrid MODEL's layers 
                 "exactly: those the state recalls worst (default: as saved; 0: none).")
 
 
-@main.command(name="eval")
+@main.command(name="eval", short_help="MODEL beside its teacher: perplexity on text, or tasks.")
 @click.argument("model", type=click.Path())
 @click.argument("more_texts", nargs=-1, metavar="")
 @click.option("--text", "texts", multiple=True, metavar="FILE [FILE ...]",
@@ -250,7 +254,7 @@ def eval_(model, more_texts, texts, teacher, context, stride, max_tokens, batch_
              sparse_cache=sparse_cache, log=click.echo)
 
 
-@main.command()
+@main.command(short_help="Passkey retrieval by length and depth, beside the teacher.")
 @click.argument("model", type=click.Path())
 @click.option("--lengths", default="1K,2K,4K,8K,16K,32K", show_default=True,
               help="Prompt lengths in tokens, comma-separated (K = 1024).")
@@ -281,7 +285,7 @@ def passkey(model, lengths, depths, trials, teacher, no_teacher, seed, filler, s
                 trust_remote_code=trust_remote_code, filler=filler, sparse_cache=sparse_cache, log=click.echo)
 
 
-@main.command()
+@main.command(short_help="Continue a prompt with MODEL, or benchmark its decoding.")
 @click.argument("model", type=click.Path())
 @click.option("--prompt", default=None, help="Text to continue.")
 @click.option("--max-new-tokens", type=click.IntRange(1), default=128, show_default=True)

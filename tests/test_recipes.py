@@ -45,16 +45,19 @@ def test_recipes_cp_copies_and_refuses_to_overwrite(tmp_path):
     dest = tmp_path / "mine.yaml"
     result = CliRunner().invoke(main, ["recipes", "cp", "smollm2-135m-demo", str(dest)])
     assert result.exit_code == 0 and f"--recipe {dest}" in result.output, result.output
-    assert dest.read_bytes() == shipped.read_bytes()
+    copied = dest.read_text().split("\n", 1)
+    assert copied[0] == f"# glaswap distill --recipe {dest}"          # it names itself
+    assert copied[1] == shipped.read_text().split("\n", 1)[1]
     dest.write_text("edited\n")
     assert "already exists" in _one_line_error(["recipes", "cp", "smollm2-135m-demo", dest])
     assert dest.read_text() == "edited\n"
     result = CliRunner().invoke(main, ["recipes", "cp", "smollm2-135m-demo.yaml", str(dest), "--force"])
-    assert result.exit_code == 0 and dest.read_bytes() == shipped.read_bytes(), result.output
+    assert result.exit_code == 0 and dest.read_text().split("\n", 1) == copied, result.output
     folder = tmp_path / "folder"
     folder.mkdir()
     assert CliRunner().invoke(main, ["recipes", "cp", "llama-3.2-1b", str(folder)]).exit_code == 0
-    assert (folder / "llama-3.2-1b.yaml").read_bytes() == shipped_recipes()["llama-3.2-1b"].read_bytes()
+    assert (folder / "llama-3.2-1b.yaml").read_text().split("\n", 1)[1] == \
+        shipped_recipes()["llama-3.2-1b"].read_text().split("\n", 1)[1]
     line = _one_line_error(["recipes", "cp", "smollm3", tmp_path / "x.yaml"])
     assert "no recipe named 'smollm3'" in line and "smollm2-135m-demo" in line
     assert not (tmp_path / "x.yaml").exists()
@@ -150,7 +153,8 @@ def test_wheel_install_lists_copies_and_distils_outside_the_checkout(tmp_path):
     listed = _run([glaswap, "recipes"], work, env).stdout.splitlines()
     assert [line.split()[0] for line in listed] == list(shipped_recipes()), listed
     _run([glaswap, "recipes", "cp", "smollm2-135m-demo", "demo.yaml"], work, env)
-    assert (work / "demo.yaml").read_bytes() == shipped_recipes()["smollm2-135m-demo"].read_bytes()
+    assert (work / "demo.yaml").read_text().split("\n", 1)[1] == \
+        shipped_recipes()["smollm2-135m-demo"].read_text().split("\n", 1)[1]
 
     tiny = load_recipe(tiny_recipe(tmp_path))   # a tiny random Llama and token files, no network
     overrides = [f"model.source={tiny.model.source}", f"data.train=[{{path: {tiny.data.train[0].path}}}]",
