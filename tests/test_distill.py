@@ -76,6 +76,8 @@ def test_overrides_and_errors(tmp_path):
             "data.extra_eval[0].name: 'a' is used twice",
         "data.extra_eval=[{name: a b, sources: [{path: x.npz}]}]": "data.extra_eval[0].name: give a short name",
         "oops": "not key=value",
+        "output.tasks=piqa,pica": "recipe key output.tasks: unknown task 'pica'",
+        "output.tasks_limit=0": "recipe key output.tasks_limit: must be >= 1",
     }
     for override, message in cases.items():
         with pytest.raises(GlaswapError) as err:

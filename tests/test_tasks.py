@@ -149,3 +149,21 @@ def test_eval_tasks_bad_input_is_one_line(tiny_folder):
     r = CliRunner().invoke(main, ["eval", str(tiny_folder), "--tasks", "piqa,pica", "--teacher", "self"])
     assert r.exit_code == 1 and isinstance(r.exception, SystemExit)
     assert r.output.strip().count("\n") == 0 and "unknown task 'pica'" in r.output
+
+
+def test_a_recipe_scores_tasks_once_its_output_is_written(tmp_path):
+    """output.tasks: distill writes OUT, then scores it beside its teacher into OUT/eval."""
+    from helpers import tiny_recipe
+
+    from glaswap.distill.recipe import load_recipe
+    from glaswap.distill.train import distill
+
+    path = tiny_recipe(tmp_path, s1=1, s2=1)
+    ascii_tokenizer(eos_token="\x03").save_pretrained(str(tmp_path / "teacher"))   # the tasks read text
+    recipe = load_recipe(path, ["output.tasks=arc_easy", "output.tasks_limit=2"])
+    lines = []
+    distill(recipe, out=tmp_path / "out", log=lines.append)
+    result = json.loads((tmp_path / "out" / "eval" / "tasks.json").read_text())
+    assert list(result["tasks"]) == ["arc_easy"] and result["tasks"]["arc_easy"]["n"] == 2
+    assert result["teacher"]["path"] == str(tmp_path / "teacher")
+    assert any("average" in line for line in lines)

@@ -108,6 +108,10 @@ class OutputSpec:
     dir: str | None = None          # default: runs/<recipe name>
     dtype: str = "auto"             # saved weights: auto (the converted model's dtype) | bfloat16 | float32
     save_adapter: bool = True
+    # lm-eval tasks scored on OUT beside its teacher once it is written (glaswap eval --tasks,
+    # into OUT/eval): "" for none, else task names or the sets zeroshot / fewshot
+    tasks: str = ""
+    tasks_limit: int | None = None  # items of each task (None: all)
 
 
 @dataclass
@@ -256,6 +260,13 @@ def _check_values(r: Recipe):
     need(r.train.distributed in ("auto", "ddp", "fsdp"), "train.distributed", "choose auto, ddp or fsdp")
     need(r.output.dtype in ("auto", "bfloat16", "float16", "float32"), "output.dtype",
          "choose auto, bfloat16, float16 or float32")
+    if r.output.tasks:
+        from glaswap.tasks import parse_tasks
+        try:
+            parse_tasks(r.output.tasks)
+        except GlaswapError as e:
+            need(False, "output.tasks", str(e))
+    need(r.output.tasks_limit is None or r.output.tasks_limit >= 1, "output.tasks_limit", "must be >= 1 (or null: all)")
     need(r.train.checkpoint_every >= 0, "train.checkpoint_every", "must be >= 0")
     need(r.train.log_every >= 1, "train.log_every", "must be >= 1")
     need(r.train.threads >= 0, "train.threads", "must be >= 0 (0: torch's default)")

@@ -170,6 +170,12 @@ def _distill(recipe: Recipe, out: Path, folder: Path, resume: bool, force: bool,
         log(f"wrote {out}")
 
     dist.main_only(save)
+    if recipe.output.tasks:
+        from glaswap.tasks import evaluate_tasks
+
+        # after OUT is written: a task run that fails costs nothing of the distillation
+        dist.main_only(lambda: evaluate_tasks(out, recipe.output.tasks, limit=recipe.output.tasks_limit,
+                                              device=recipe.train.device, log=log))
     return meta
 
 
