@@ -364,6 +364,7 @@ CODE_FILES = [
     ("glaswap/layers/softmax_attention.py", "softmax_attention.py"),
     ("glaswap/layers/hybrid_cache.py", "hybrid_cache.py"),
     ("glaswap/layers/gla_attention.py", "gla_attention.py"),
+    ("glaswap/models/gla_options.py", "gla_options.py"),
     ("glaswap/models/configuration_glaswap.py", "configuration_glaswap.py"),
     ("glaswap/models/modeling_glaswap.py", "modeling_glaswap.py"),
 ]

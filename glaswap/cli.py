@@ -12,7 +12,7 @@ import threading
 import click
 
 from glaswap.errors import GlaswapError
-from glaswap.models.configuration_glaswap import GLA_OPTIONS
+from glaswap.models.gla_options import GLA_OPTIONS
 
 
 def _friendly(fn):

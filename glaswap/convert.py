@@ -19,7 +19,8 @@ from glaswap.checkpoint import AUTO_MAP, FolderTensors, GGUFTensors, ShardWriter
     parse_size, write_model_code
 from glaswap.errors import GlaswapError
 from glaswap.layers.gla_attention import GLAAttention
-from glaswap.models.configuration_glaswap import GLASwapConfig, check_gla_options
+from glaswap.models.configuration_glaswap import GLASwapConfig
+from glaswap.models.gla_options import check_gla_options
 from glaswap.models.modeling_glaswap import GLASwapForCausalLM
 from glaswap.runtime import DTYPES, dtype_named, versions
 from glaswap.sources import Source, resolve_source

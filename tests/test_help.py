@@ -1,5 +1,9 @@
-"""What a newcomer reads first: `glaswap --help` lists every command with a whole summary, and
-a recipe copied with `recipes cp` names its own file in the command its header opens with."""
+"""What a newcomer reads first: `glaswap --help` answers at once and lists every command with a
+whole summary, and a recipe copied with `recipes cp` names its own file in the command its
+header opens with."""
+
+import subprocess
+import sys
 
 from click.testing import CliRunner
 
@@ -23,3 +27,11 @@ def test_copied_recipe_names_itself(tmp_path):
     first = dest.read_text().splitlines()[0]
     assert first == f"# glaswap distill --recipe {dest}", first
     assert f"--recipe {dest}" in r.output
+
+
+def test_the_cli_starts_without_torch_or_transformers():
+    """`glaswap --help` (and a mistyped command) answers at once: the heavy imports wait for
+    the command that needs them."""
+    code = "import sys, glaswap.cli; print(sorted({'torch', 'transformers'} & set(sys.modules)))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]", out

@@ -388,7 +388,7 @@ def test_sparse_cache_keeps_the_key_stated_once(monkeypatch):
 
 
 def test_sparse_cache_needs_a_window():
-    from glaswap.models.configuration_glaswap import check_gla_options
+    from glaswap.models.gla_options import check_gla_options
     with pytest.raises(ValueError, match="sparse cache needs a window"):
         check_gla_options({"sparse_cache": 4})
     with pytest.raises(ValueError, match="whole number"):

@@ -16,7 +16,7 @@ import shlex
 from pathlib import Path
 
 from glaswap.distill.checkpoints import copy_state
-from glaswap.models.configuration_glaswap import GLA_OPTIONS
+from glaswap.models.gla_options import GLA_OPTIONS
 
 def new_modules(new_names) -> list[str]:
     """The modules holding the new parameters, as peft `modules_to_save` names: the path inside

@@ -16,7 +16,7 @@ from pathlib import Path
 import yaml
 
 from glaswap.errors import GlaswapError
-from glaswap.models.configuration_glaswap import GLA_OPTIONS, check_gla_options
+from glaswap.models.gla_options import GLA_OPTIONS, check_gla_options
 
 
 @dataclass

@@ -37,7 +37,7 @@ from glaswap.distill.parallel import Dist, setup_distributed
 from glaswap.distill.recipe import Recipe, dump_recipe
 from glaswap.distill.student import build_student, device_dtype, fuse_layers, lora_inputs_in_compute_dtype
 from glaswap.errors import GlaswapError
-from glaswap.models.configuration_glaswap import GLA_OPTIONS, decay_bound
+from glaswap.models.gla_options import GLA_OPTIONS, decay_bound
 from glaswap.runtime import DTYPES, check_finite_weights, write_error
 
 

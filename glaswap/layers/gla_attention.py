@@ -24,7 +24,7 @@ from glaswap.layers.softmax_attention import softmax_attention
 from glaswap_kernels.ops import (chunk_gla, decode_step, feature_map, gate_logsigmoid, normalize, rope, window_attention,
                                  window_mix, with_ones)
 
-# The allowed gates and feature maps: configuration_glaswap.GLA_OPTIONS.
+# The allowed gates and feature maps: gla_options.GLA_OPTIONS.
 LEARNED_MAPS = ("hedgehog", "hedgehog_pm")   # the maps with a per-head matrix W
 # gla: the student. softmax: the teacher's attention from the same weights. transfer: the
 # teacher's output, with the GLA output's distance to it (attention transfer, distillation's
