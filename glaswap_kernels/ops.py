@@ -94,10 +94,15 @@ def gate_logsigmoid(x, normalizer, repeat=1, shift=0.0, backend="auto"):
     return torch.cat([g] * repeat, dim=-1) if repeat > 1 else g
 
 
+def _recurrent_on_triton(q, k, v, backend):
+    """The Triton recurrence has no backward: with gradients the PyTorch form runs."""
+    return _use_triton(q, backend) and not (q.requires_grad or k.requires_grad or v.requires_grad)
+
+
 def recurrent_gla(q, k, v, g, scale=None, initial_state=None, output_final_state=False,
                   backend="auto"):
     """Token-by-token GLA (a decode step when T = 1): returns (o, final state or None)."""
-    if _use_triton(q, backend) and not (q.requires_grad or k.requires_grad or v.requires_grad):
+    if _recurrent_on_triton(q, k, v, backend):
         return fused_recurrent_gla(q, k, v, g, scale=scale, initial_state=initial_state,
                                    output_final_state=output_final_state)
     return recurrent_gla_torch(q, k, v, g, scale=scale, initial_state=initial_state,
@@ -110,7 +115,7 @@ def decode_step(q, k, v, g, scale, state=None, backend="auto"):
     ops (gla.reference.decode_step_torch): S = diag(exp(g)) S + k^T v, o = scale * q S."""
     if q.shape[1] != 1 or k.shape[1] != 1:
         raise ValueError(f"decode_step takes one token; got q {tuple(q.shape)}, k {tuple(k.shape)}")
-    if _use_triton(q, backend) and not (q.requires_grad or k.requires_grad or v.requires_grad):
+    if _recurrent_on_triton(q, k, v, backend):
         return fused_recurrent_gla(q, k, v, g, scale=scale, initial_state=state, output_final_state=True)
     return decode_step_torch(q, k, v, g, scale, state)
 

@@ -314,13 +314,12 @@ class GLASwapModel(GLASwapPreTrainedModel):
         transfer_losses = []
         for layer in self.layers:
             if self.gradient_checkpointing and self.training:
-                hidden_states = self._gradient_checkpointing_func(
+                hidden_states, loss = self._gradient_checkpointing_func(
                     layer.__call__, hidden_states, position_embeddings, attention_mask, past_key_values,
                     cu_seqlens, position_ids)
             else:
-                hidden_states = layer(hidden_states, position_embeddings, attention_mask, past_key_values,
-                                      cu_seqlens, position_ids)
-            hidden_states, loss = hidden_states
+                hidden_states, loss = layer(hidden_states, position_embeddings, attention_mask, past_key_values,
+                                            cu_seqlens, position_ids)
             if loss is not None:   # "transfer" mode
                 transfer_losses.append(loss)
         if past_key_values is not None:
