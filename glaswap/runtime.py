@@ -237,6 +237,10 @@ def open_model(model_dir, device: str = "auto", dtype: str = "auto", teacher: st
     if kind not in (None, "self"):
         log(f"loading teacher {desc.get('spec', path)}")
         teacher_model = load_teacher(kind, path, dev, dt, trust_remote_code)
+        # both read the same token ids: another vocabulary would score other tokens
+        if teacher_model.config.vocab_size != student.config.vocab_size:
+            raise GlaswapError(f"the teacher's vocabulary ({teacher_model.config.vocab_size}) differs from the "
+                               f"model's ({student.config.vocab_size}); pass the model it was converted from")
     return Opened(folder, meta, dev, dt, tok, student, teacher_model, desc, prepared)
 
 

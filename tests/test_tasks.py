@@ -167,3 +167,16 @@ def test_a_recipe_scores_tasks_once_its_output_is_written(tmp_path):
     assert list(result["tasks"]) == ["arc_easy"] and result["tasks"]["arc_easy"]["n"] == 2
     assert result["teacher"]["path"] == str(tmp_path / "teacher")
     assert any("average" in line for line in lines)
+
+
+def test_a_teacher_of_another_vocabulary_is_one_line(tiny_folder, tmp_path):
+    """Every command that opens a model beside a teacher refuses one that reads other tokens."""
+    from helpers import save_teacher
+
+    other = save_teacher(tiny_teacher("llama", vocab=64), tmp_path / "other")
+    r = CliRunner().invoke(main, ["eval", str(tiny_folder), "--tasks", "piqa", "--limit", "1", "--teacher",
+                                  str(other), "--device", "cpu"])
+    assert r.exit_code == 1, r.output
+    assert r.output.strip().endswith("the teacher's vocabulary (64) differs from the model's (128); pass the model "
+                                     "it was converted from"), r.output
+    assert not (tiny_folder / "eval" / "tasks.json").exists()
