@@ -201,7 +201,12 @@ def _run_cells(cells, student, teacher_model, tok, keys, lengths, depths, roles,
         for d in depths:
             cell = {"length": L, "depth": d, "keys": keys[(L, d)]}
             answers, nats = {r: [] for r in roles}, {r: [] for r in roles}
+            cell_started = last_note = time.time()
             for n, key in enumerate(keys[(L, d)]):
+                if n and time.time() - last_note > 30:   # a long cell on the CPU: say where it is
+                    last_note = time.time()
+                    log(f"length {L} depth {d:g}: key {n + 1} of {len(keys[(L, d)])} "
+                        f"({last_note - cell_started:.0f}s in this cell)")
                 ids = build_prompt(tok, L, d, key, text_ids, offsets[(L, d)][n] if offsets else 0)
                 key_ids = key_tokens(tok, key)
                 got = {"student": greedy_answer(student, ids, dev, key_ids=key_ids)}
@@ -220,7 +225,7 @@ def _run_cells(cells, student, teacher_model, tok, keys, lengths, depths, roles,
                            "key_nats": float(np.mean(nats[r])), "answers": answers[r]}
             cells.append(cell)
             log(f"length {L} depth {d:g}: " + ", ".join(f"{r} {cell[r]['accuracy']:.2f} ({cell[r]['key_nats']:.1f} nats)"
-                                                         for r in roles) + f"  ({time.time() - started:.0f}s)")
+                                                         for r in roles) + f"  ({time.time() - started:.0f}s elapsed)")
 
 
 def _result(model_dir, t_desc, lengths, depths, trials, seed, dev, dt, cells, started, complete: bool,
@@ -286,14 +291,15 @@ def format_passkey(result: dict) -> str:
     """The accuracy table and, where the cells have it, the key's nats (-log p of the key
     read back after the question: a graded view of retrieval where greedy answers are 0 or 1)."""
     roles = [r for r in ("student", "teacher") if r in result["cells"][0]]
-    lines = _table(result, roles, "accuracy", _fmt_accuracy)
-    lines.append(f"passkey accuracy ({' / '.join(roles)}), {result['trials']} keys per cell, greedy"
-                 + (f"; filler {result['filler']}" if result.get("filler") else "")
-                 + ("" if result.get("complete", True) else "; interrupted, - = not measured"))
+    n = result["trials"]
+    lines = [f"Passkey accuracy ({' / '.join(roles)}), {n} key{'s' if n != 1 else ''} per cell, greedy, filler: "
+             + (result["filler"] if result.get("filler") else "the built-in repeated sentences")
+             + ("" if result.get("complete", True) else "; interrupted, - = not measured")]
+    lines += _table(result, roles, "accuracy", _fmt_accuracy)
     if any("key_nats" in c[r] for c in result["cells"] for r in roles):
-        lines += [""] + _table(result, roles, "key_nats", _fmt_nats)
-        lines.append(f"nats of the key ({' / '.join(roles)}), mean per cell: -log p(key | prompt); "
-                     f"a random 5-digit guess costs {math.log(90000):.1f}")
+        lines += ["", f"Nats of the key ({' / '.join(roles)}), mean per cell: -log p(key | prompt); "
+                      f"a random 5-digit guess costs {math.log(90000):.1f}"]
+        lines += _table(result, roles, "key_nats", _fmt_nats)
     return "\n".join(lines)
 
 
@@ -304,14 +310,16 @@ def plot_passkey(result: dict, path: Path):
     import matplotlib.pyplot as plt
 
     roles = [r for r in ("student", "teacher") if r in result["cells"][0]]
-    fig, axes = plt.subplots(1, len(roles), figsize=(4.5 * len(roles), 4), dpi=120, squeeze=False)
+    fig, axes = plt.subplots(1, len(roles), figsize=(4.8 * len(roles), 4), dpi=120, squeeze=False,
+                             constrained_layout=True)
     for ax, role in zip(axes[0], roles):
         grid = accuracy_grid(result, role)
         im = ax.imshow(grid, vmin=0, vmax=1, cmap="viridis", aspect="auto", origin="lower")
         ax.set_xticks(range(len(result["depths"])), [f"{d:g}" for d in result["depths"]])
         ax.set_yticks(range(len(result["lengths"])), [str(L) for L in result["lengths"]])
         ax.set_xlabel("depth of the key")
-        ax.set_ylabel("prompt length (tokens)")
+        if ax is axes[0][0]:   # the panels share their rows
+            ax.set_ylabel("prompt length (tokens)")
         ax.set_title(f"{'GLA model' if role == 'student' else 'teacher'}: passkey accuracy", fontsize=10)
         for i in range(grid.shape[0]):
             for j in range(grid.shape[1]):

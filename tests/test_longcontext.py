@@ -125,7 +125,7 @@ def test_passkey_table_and_grid_from_a_hand_made_result():
         c["student"]["key_nats"], c["teacher"]["key_nats"] = nats, 0.25
     table = format_passkey(result)
     assert accuracy_grid(result, "student", "key_nats").tolist() == [[0.5, 2.0], [11.0, 7.0]]
-    assert "nats of the key" in table and "11.0/0.2" in table and "1.2/0.2" in table  # mean of row 64: 1.25
+    assert "Nats of the key" in table and "11.0/0.2" in table and "1.2/0.2" in table  # mean of row 64: 1.25
 
 
 def test_key_nats_by_hand():
@@ -206,7 +206,7 @@ def test_cli_passkey_writes_table_json_and_heatmap(folder, tmp_path):
             expect = np.mean([answer_is_key(a, k) for a, k in zip(c[role]["answers"], c["keys"])])
             assert c[role]["accuracy"] == expect and len(c[role]["answers"]) == 2
             assert math.isfinite(c[role]["key_nats"]) and c[role]["key_nats"] > 0
-    assert "nats of the key" in r.output
+    assert "Nats of the key" in r.output
     assert (tmp_path / "p" / "passkey.png").read_bytes()[:4] == b"\x89PNG"
     again = CliRunner().invoke(main, ["passkey", str(folder), "--lengths", "200,300", "--depths", "0,1",
                                       "--trials", "2", "--teacher", "self", "--out", str(tmp_path / "q")])
@@ -236,7 +236,7 @@ def test_cli_passkey_interrupted_keeps_the_cells_it_finished(folder, tmp_path, m
     assert (tmp_path / "p" / "passkey.png").read_bytes()[:4] == b"\x89PNG"
     grid = accuracy_grid(res, "student")
     assert np.isnan(grid[1]).all() and not np.isnan(grid[0]).any()
-    assert "-" in format_passkey(res).splitlines()[3]          # the row of 300 tokens, not measured
+    assert "-" in format_passkey(res).splitlines()[4]          # the row of 300 tokens, not measured (after the caption)
 
 
 def test_passkey_student_answers_match_a_plain_greedy_loop(folder):
