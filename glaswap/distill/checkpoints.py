@@ -74,7 +74,11 @@ def save_checkpoint(run: Path, stage: int, step: int, model, trainable: set[str]
     tmp.mkdir(parents=True)
     save_file(state, str(tmp / "trainable.safetensors"))
     _save_optimizer(tmp, optim_state, scheduler.state_dict(), torch.get_rng_state())
-    (tmp / "state.json").write_text(json.dumps({"stage": stage, "step": step}))
+    record = {"stage": stage, "step": step}
+    softmax = list(getattr(model.config, "softmax_layers", None) or [])
+    if softmax:   # the layers the tensors were trained with in softmax attention
+        record["softmax_layers"] = softmax
+    (tmp / "state.json").write_text(json.dumps(record))
     if final.exists():
         old = final.with_name(final.name + ".old")
         shutil.rmtree(old, ignore_errors=True)
@@ -95,6 +99,11 @@ def latest_checkpoint(run: Path):
             st = json.loads((folder / "state.json").read_text())
             best = (st["stage"], st["step"], folder)
     return best
+
+
+def checkpoint_softmax_layers(folder: Path) -> list[int]:
+    """The softmax layers of the model a checkpoint was saved from ([] for none)."""
+    return list(json.loads((Path(folder) / "state.json").read_text()).get("softmax_layers", []))
 
 
 def _save_optimizer(folder: Path, optim_state: dict, schedule: dict, rng: torch.Tensor):

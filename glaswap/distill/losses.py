@@ -137,6 +137,17 @@ def kd_loss(h_student, h_teacher, lm_head_weight, labels, ce_weight=0.0, tempera
     return _torch_kd(h_student, h_teacher, lm_head_weight, labels, ce_weight, temperature, chunk_tokens, parts)
 
 
+@torch.no_grad()
+def kl_sum(h_student, h_teacher, lm_head_weight, chunk_tokens=4096) -> torch.Tensor:
+    """Summed KL(teacher || student) over the rows of two [N, d] final hidden states, the
+    logits made chunk_tokens rows at a time (a float32 scalar; no gradients)."""
+    total = h_student.new_zeros((), dtype=torch.float32)
+    for start in range(0, h_student.shape[0], chunk_tokens):
+        end = start + chunk_tokens
+        total = total + _chunk_loss(h_student[start:end], h_teacher[start:end], lm_head_weight, None, 0.0, 1.0)[0]
+    return total
+
+
 def transfer_step(lm, batch):
     """Stage 1: mean over layers of the MSE between GLA and softmax attention outputs."""
     out = lm.model(input_ids=batch["input_ids"], cu_seqlens=batch["cu_seqlens"], use_cache=False)

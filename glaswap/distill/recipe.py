@@ -35,7 +35,9 @@ class DataSource:
 @dataclass
 class ModelSpec:
     source: str = "smollm2-135m"   # anything `glaswap convert` accepts
-    options: dict = field(default_factory=dict)  # GLA options (gate, feature_map, normalizer, ...)
+    # GLA options (gate, feature_map, normalizer, ...); softmax_layers also takes auto:N, N layers
+    # chosen after stage 1 by the KL each removes (distill/select.py)
+    options: dict = field(default_factory=dict)
     seed: int = 0
 
 
@@ -218,7 +220,17 @@ def _check_values(r: Recipe):
         raise GlaswapError(f"recipe key {bad[0]}: must be a finite number, got {bad[1]}")
 
     try:
-        check_gla_options(r.model.options)
+        auto = auto_softmax_layers(r.model.options)
+    except ValueError as e:
+        raise GlaswapError(f"recipe key model.options.softmax_layers: {e}")
+    if auto is not None:
+        # the choice is made after stage 1 by changing the layers in place, and FSDP has
+        # sharded them by then
+        need(r.train.distributed != "fsdp", "model.options.softmax_layers",
+             "auto:N needs train.distributed ddp or auto (FSDP shards the layers before the choice); "
+             "choose the layers on one process, then give them as a list")
+    try:
+        check_gla_options(conversion_options(r))
     except ValueError as e:
         raise GlaswapError(f"recipe key model.options: {e}")
     need(len(r.data.train) > 0, "data.train", "list at least one source of training text")
@@ -273,6 +285,24 @@ def _check_values(r: Recipe):
     for group, specs in groups:
         for i, s in enumerate(specs):
             need(s.max_tokens is None or s.max_tokens >= 1, f"{group}[{i}].max_tokens", "must be >= 1 or null")
+
+
+def auto_softmax_layers(options: dict) -> int | None:
+    """N of `softmax_layers: auto:N` in GLA options (distill chooses N layers by measurement),
+    None for an explicit list or none; ValueError for a malformed auto value."""
+    from glaswap.models.gla_options import parse_auto
+
+    value = options.get("softmax_layers")
+    return parse_auto(value) if isinstance(value, str) else None
+
+
+def conversion_options(recipe: Recipe) -> dict:
+    """The recipe's GLA options as convert takes them: without an auto:N value (the layers it
+    chooses are made softmax after stage 1; conversion keeps every layer GLA)."""
+    options = dict(recipe.model.options)
+    if auto_softmax_layers(options) is not None:
+        del options["softmax_layers"]
+    return options
 
 
 def parse_override(text: str):
@@ -375,4 +405,4 @@ def dump_recipe(recipe: Recipe) -> str:
 
 
 __all__ = ["Recipe", "load_recipe", "dump_recipe", "parse_override", "GLA_OPTIONS", "resolve_recipe",
-           "shipped_recipes", "recipe_summary"]
+           "shipped_recipes", "recipe_summary", "auto_softmax_layers", "conversion_options"]

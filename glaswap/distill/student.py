@@ -79,6 +79,16 @@ def prepare_student(lm, recipe: Recipe) -> Student:
     return Student(lm, peft_model, new_names, lora_names)
 
 
+def keep_softmax_layers(student: Student, layers):
+    """Turn `layers` of the student into the teacher's softmax attention, in place
+    (GLASwapForCausalLM.keep_softmax_layers), and leave their gates and feature maps, which
+    that removes, out of the parameters the run trains. Their LoRA adapters stay."""
+    student.lm.keep_softmax_layers(sorted(layers))
+    present = {name for name, _ in student.lm.named_parameters()}
+    student.new_names = set(student.lm.new_parameter_names()) & present
+    student.lora_names = student.lora_names & present
+
+
 def lora_inputs_in_compute_dtype(model):
     """Stop peft from casting each LoRA layer's input to its adapter's dtype.
 

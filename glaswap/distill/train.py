@@ -7,10 +7,13 @@ Layout of a run with output folder OUT:
         recipe.yaml     the resolved recipe the run started with
         metrics.jsonl   one JSON line per logged step and evaluation
         checkpoints/    the latest checkpoint per stage, written atomically
+        ranking.json    with softmax_layers auto:N, the layers' ranking after stage 1 and the
+        ranking.png     N chosen (select.py); a resumed run keeps that choice
     OUT/                the distilled model (LoRA merged), written atomically at the end,
         adapter/        the peft adapter: LoRA, and the trained gates / feature maps as
                         modules_to_save (adapter.py); its base rebuilds as OUT.base
-        recipe.yaml, metrics.jsonl, loss.png, eval.json
+        recipe.yaml, metrics.jsonl, loss.png, eval.json (and ranking.json, ranking.png;
+                        recipe.yaml then lists the chosen layers)
 
 This file is the run from start to end; one stage's loop is in loop.py, the student's
 set-up in student.py, the run folder's checkpoints and metrics in checkpoints.py.
@@ -19,10 +22,12 @@ set-up in student.py, the run folder's checkpoints and metrics in checkpoints.py
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import importlib.util
 import json
 import os
 import shutil
+import time
 from pathlib import Path
 
 import torch
@@ -30,12 +35,15 @@ import torch
 from glaswap.checkpoint import check_out_path, exclusive_lock, output_folder, write_model_code
 from glaswap.distill import data as D
 from glaswap.distill.adapter import adapter_model, base_record, save_adapter
-from glaswap.distill.checkpoints import Metrics, copy_state, latest_checkpoint, restore_optimizer
+from glaswap.distill.checkpoints import (Metrics, checkpoint_softmax_layers, copy_state, latest_checkpoint,
+                                         restore_optimizer)
 from glaswap.distill.losses import kd_step, transfer_step
 from glaswap.distill.loop import RunState, StageContext, evaluate_blocks, make_optimizer, run_stage
 from glaswap.distill.parallel import Dist, setup_distributed
-from glaswap.distill.recipe import Recipe, dump_recipe
-from glaswap.distill.student import build_student, device_dtype, fuse_layers, lora_inputs_in_compute_dtype
+from glaswap.distill.recipe import Recipe, auto_softmax_layers, conversion_options, dump_recipe
+from glaswap.distill.select import RANKING_JSON, RANKING_PNG, choose_softmax_layers, read_ranking
+from glaswap.distill.student import (build_student, device_dtype, fuse_layers, keep_softmax_layers,
+                                     lora_inputs_in_compute_dtype)
 from glaswap.errors import GlaswapError
 from glaswap.models.gla_options import GLA_OPTIONS, decay_bound
 from glaswap.runtime import DTYPES, check_finite_weights, write_error
@@ -70,6 +78,7 @@ def distill(recipe: Recipe, out=None, resume: bool = False, force: bool = False,
 
 def _distill(recipe: Recipe, out: Path, folder: Path, resume: bool, force: bool, log, stop_after, dist: Dist,
              trust_remote_code: bool, held: contextlib.ExitStack) -> dict:
+    started = time.time()
     inputs = [("model.source", recipe.model.source)] + [("data path", p) for p in D.local_paths(recipe)]
     check_out_path(out, inputs)
     check_out_path(folder, inputs)
@@ -92,6 +101,7 @@ def _distill(recipe: Recipe, out: Path, folder: Path, resume: bool, force: bool,
         data = D.load_run_data(converted, recipe, log, trust_remote_code)
         torch.manual_seed(recipe.train.seed)
         student = build_student(converted, recipe, dist.storage_dtype(dtype))
+        auto = _check_auto(recipe, student.lm.config.num_hidden_layers)
     except GlaswapError:
         # Refused before any training (a bad source, empty data, a set shorter than one block,
         # no tokenizer, unknown LoRA targets): a run folder this call created holds at most the
@@ -114,8 +124,19 @@ def _distill(recipe: Recipe, out: Path, folder: Path, resume: bool, force: bool,
                    stop_after=stop_after)
     ckpt = latest_checkpoint(folder) if resume else None
     start_stage, start_step = (ckpt[0], ckpt[1]) if ckpt else (1, 0)
+    # a resumed run keeps the softmax layers its first run chose (after stage 1, on the state
+    # of that moment), never measuring again
+    ranking = read_ranking(folder) if resume and auto is not None else None
     if ckpt:
         run.metrics.truncate_after(start_stage, start_step)
+        if auto is not None and start_stage == 2:
+            # a stage-2 checkpoint holds no gates or feature maps of the softmax layers
+            chosen = checkpoint_softmax_layers(ckpt[2])
+            if ranking is None or ranking["chosen"] != chosen:
+                raise GlaswapError(f"{folder / RANKING_JSON} is missing or names other softmax layers than the "
+                                   f"checkpoint in {ckpt[2]}; restart the run with --force")
+            keep_softmax_layers(student, chosen)
+            run.trainable = student.trainable
         dist.load_trainable(lm, ckpt[2])
         log(f"resuming stage {start_stage} after step {start_step}")
     elif dist.is_main:
@@ -139,6 +160,18 @@ def _distill(recipe: Recipe, out: Path, folder: Path, resume: bool, force: bool,
     elif start_stage == 2:  # stage 1 ran before the interruption: its evaluation is in the log
         evals["stage1"] = _logged_evaluation(run.metrics, 1)
 
+    # ---- softmax_layers auto:N: rank the layers on the stage-1 student, keep the top N
+    selection = None
+    if auto is not None:
+        measured_now = ranking is None
+        ranking = choose_softmax_layers(run, lm, data, auto, ranking, started, log)
+        if list(getattr(lm.config, "softmax_layers", None) or []) != ranking["chosen"]:
+            keep_softmax_layers(student, ranking["chosen"])
+            run.trainable = student.trainable
+        selection = {"layers": ranking["chosen"], "seconds": ranking["seconds"],
+                     "measured_now": measured_now}
+        params = dict(lm.named_parameters())
+
     # ---- stage 2: LoRA distillation (LoRA, and the new parameters unless told otherwise)
     s2 = recipe.stage2
     if student.peft_model is not None:
@@ -161,6 +194,12 @@ def _distill(recipe: Recipe, out: Path, folder: Path, resume: bool, force: bool,
                        "eval_tokens": data.eval.n_tokens, "device": str(device), "dtype": str(dtype),
                        "world_size": dist.world}
     meta["eval"] = evals
+    if selection is not None:
+        meta["options"] = dict(meta["options"], softmax_layers=selection["layers"])
+        # the share is of this process's time: a resumed run's earlier part is not counted
+        share = selection["seconds"] / max(time.time() - started, 1e-9) if selection["measured_now"] else None
+        meta["distill"]["softmax_selection"] = {"layers": selection["layers"], "seconds": selection["seconds"],
+                                                "share_of_run": share}
     out_dtype = _output_dtype(recipe, converted)
     trained = dist.gather_trainable(lm, run.trainable)   # collective; full tensors on every rank
 
@@ -230,9 +269,18 @@ def _prepare_run_folder(run: Path, recipe: Recipe, resume: bool, force: bool, tr
     (run / "recipe.yaml").write_text(resolved)
     if not (run / "converted" / "glaswap.json").is_file():
         shutil.rmtree(run / "converted", ignore_errors=True)
-        options = length_defaults(recipe) | recipe.model.options
+        options = length_defaults(recipe) | conversion_options(recipe)
         convert(recipe.model.source, run / "converted", options=options,
                 seed=recipe.model.seed, trust_remote_code=trust_remote_code, log=log)
+
+
+def _check_auto(recipe: Recipe, num_layers: int) -> int | None:
+    """N of the recipe's softmax_layers auto:N (None without one), once the layer count is known."""
+    auto = auto_softmax_layers(recipe.model.options)
+    if auto is not None and not 1 <= auto <= num_layers - 1:
+        raise GlaswapError(f"recipe key model.options.softmax_layers: auto:{auto} asks for {auto} softmax layers "
+                           f"of the model's {num_layers}; choose N from 1 to {num_layers - 1}")
+    return auto
 
 
 # ----------------------------------------------------------------------------- evaluation
@@ -280,6 +328,9 @@ def _save_final(out, force, trained, tokenizer, recipe, run, meta, out_dtype, lo
     """Rebuild the student on the CPU from the converted model and the trained tensors, merge
     LoRA in float32, and write OUT (and OUT/adapter) atomically."""
     student = build_student(run / "converted", recipe, torch.float32)
+    softmax = (meta["distill"].get("softmax_selection") or {}).get("layers")
+    if softmax:
+        keep_softmax_layers(student, softmax)
     lm, peft_model = student.lm, student.peft_model
     if peft_model is None:
         copy_state(lm, trained)
@@ -288,8 +339,10 @@ def _save_final(out, force, trained, tokenizer, recipe, run, meta, out_dtype, lo
     check_finite_weights(peft_model if peft_model is not None else lm, "the distilled model")  # never an OUT that cannot run
     with output_folder(out, force=force) as tmp:
         if peft_model is not None and recipe.output.save_adapter:
-            base = base_record(recipe.model.source, json.loads((run / "converted" / "glaswap.json").read_text()),
-                               out)
+            converted = json.loads((run / "converted" / "glaswap.json").read_text())
+            if softmax:   # the adapter's base keeps the chosen layers softmax, as the model does
+                converted["options"] = dict(converted["options"], softmax_layers=softmax)
+            base = base_record(recipe.model.source, converted, out)
             save_adapter(peft_model, tmp / "adapter", base)
         if peft_model is not None:
             lm = peft_model.merge_and_unload()
@@ -298,12 +351,35 @@ def _save_final(out, force, trained, tokenizer, recipe, run, meta, out_dtype, lo
         write_model_code(tmp)
         if tokenizer is not None:
             tokenizer.save_pretrained(str(tmp))
-        shutil.copyfile(run / "recipe.yaml", tmp / "recipe.yaml")
+        if softmax:
+            _write_chosen_recipe(recipe, softmax, tmp / "recipe.yaml")
+            _copy_ranking(run, tmp, meta["distill"]["softmax_selection"])
+        else:
+            shutil.copyfile(run / "recipe.yaml", tmp / "recipe.yaml")
         if (run / "metrics.jsonl").is_file():
             shutil.copyfile(run / "metrics.jsonl", tmp / "metrics.jsonl")
         _plot_losses(Metrics(run / "metrics.jsonl", True).read(), tmp / "loss.png")
         (tmp / "glaswap.json").write_text(json.dumps(meta, indent=2) + "\n")
         (tmp / "eval.json").write_text(json.dumps(meta.get("eval", {}), indent=2) + "\n")
+
+
+def _write_chosen_recipe(recipe: Recipe, layers: list[int], path: Path):
+    """The resolved recipe with its auto:N replaced by the layers chosen: run again, it
+    converts with those layers softmax and distils the rest as this run did."""
+    auto = recipe.model.options["softmax_layers"]
+    chosen = dataclasses.replace(recipe, model=dataclasses.replace(
+        recipe.model, options=dict(recipe.model.options, softmax_layers=list(layers))))
+    path.write_text(f"# model.options.softmax_layers: chosen by {auto} after stage 1 (ranking.json)\n"
+                    + dump_recipe(chosen))
+
+
+def _copy_ranking(run: Path, out: Path, selection: dict):
+    """ranking.json and ranking.png into OUT, the JSON with the selection's share of the run."""
+    ranking = json.loads((run / RANKING_JSON).read_text())
+    ranking["share_of_run"] = selection["share_of_run"]
+    (out / RANKING_JSON).write_text(json.dumps(ranking, indent=2) + "\n")
+    if (run / RANKING_PNG).is_file():
+        shutil.copyfile(run / RANKING_PNG, out / RANKING_PNG)
 
 
 def _plot_losses(records, path: Path):
