@@ -12,6 +12,7 @@ student) per token, and the mean loss at each position of the window (also drawn
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 import json
 import math
@@ -128,10 +129,8 @@ def _score_windows(docs, student, teacher, batch_size, device, bar):
         for r, (d, (begin, end, _)) in enumerate(batch):
             ids[r, :end - begin] = d.ids[begin:end]
         ids = ids.to(device)
-        bar.set_description("student")
         s_logits = student(input_ids=ids, use_cache=False).logits
         bar.update(ids.numel())
-        bar.set_description("teacher")
         if teacher is None:
             with student.attention_mode("softmax"):
                 t_logits = student(input_ids=ids, use_cache=False).logits
@@ -152,7 +151,7 @@ def _score_stateful(docs, student, chunk, device, bar):
     """The student reads each document once, chunk by chunk, its recurrent state carried over."""
     from glaswap.models.modeling_glaswap import GLASwapCache
 
-    bar.set_description("stateful")
+    bar.set_postfix_str("one pass", refresh=False)
     for d in docs:
         cache = GLASwapCache(student.config.num_hidden_layers)
         nll = np.full(len(d), np.nan)
@@ -175,7 +174,7 @@ def _score_stateful(docs, student, chunk, device, bar):
 def _score_teacher_one_pass(docs, student, teacher, device, bar) -> tuple[list[np.ndarray], int]:
     """The teacher reads each document's first `max positions` tokens in one forward pass."""
     limit = teacher_positions(teacher, student)
-    bar.set_description("teacher one-pass")
+    bar.set_postfix_str("teacher, one pass", refresh=False)
     out = []
     for d in docs:
         ids = d.ids[:limit]
@@ -279,9 +278,13 @@ def evaluate(model_dir, texts, teacher: str = "auto", context: int = 512, stride
         enable_decode_graph(student)    # the stateful column's sparse-cache blocks from a CUDA graph
 
     window_tokens = sum(end - begin for d in docs for begin, end, _ in d.windows)
-    total = 2 * window_tokens + sum(len(d) for d in docs) * (2 if by_position else 1)
+    one_pass = sum(len(d) for d in docs)
+    total = 2 * window_tokens + one_pass * (2 if by_position else 1)
+    log(f"scoring {window_tokens:,} tokens in windows of {context} (model and teacher), then {one_pass:,} in one pass "
+        f"({'model and teacher' if by_position else 'model'}): {total:,} tokens read in all")
     t0 = time.time()
-    with tqdm(total=total, unit="tok", unit_scale=True, disable=not progress, dynamic_ncols=True) as bar:
+    with tqdm(total=total, unit="tok", unit_scale=True, disable=not progress, dynamic_ncols=True,
+              desc="tokens read") as bar:
         _score_windows(docs, student, teacher_model, batch_size, dev, bar)
         _score_stateful(docs, student, context * batch_size, dev, bar)
         if by_position:
@@ -303,7 +306,7 @@ def evaluate(model_dir, texts, teacher: str = "auto", context: int = 512, stride
     }
     result["versions"] = versions()
     out = Path(out) if out is not None else model_dir / "eval"
-    name = _run_name(docs, context, stride) + ("-bos" if bos else "")
+    name = _run_name(docs, context, stride, out) + ("-bos" if bos else "")
     has_plot = importlib.util.find_spec("matplotlib") is not None
     result["outputs"] = {"json": str(out / f"{name}.json"),
                          "png": str(out / f"{name}.png") if has_plot else "(no PNG: pip install matplotlib)"}
@@ -313,14 +316,26 @@ def evaluate(model_dir, texts, teacher: str = "auto", context: int = 512, stride
     log(format_table(result))
     if by_position:
         log(format_by_position(result["by_absolute_position"]))
-    log(f"wrote {result['outputs']['json']} and {result['outputs']['png']}")
+    written = [p for k, p in result["outputs"].items() if not p.startswith("(")]
+    log(f"wrote {', '.join(written[:-1])} and {written[-1]}" if len(written) > 1 else f"wrote {written[0]}")
     return result
 
 
-def _run_name(docs, context, stride):
-    stem = Path(docs[0].path).stem
-    more = f"+{len(docs) - 1}" if len(docs) > 1 else ""
-    return f"eval-{stem}{more}-c{context}-s{stride}"
+def _run_name(docs, context, stride, out: Path):
+    """eval-<first file>[-and-N-more]-context<C>[-stride<S>]; when `out` already holds that name
+    for other files (two files of one name in two folders), a short hash of their paths follows,
+    so one result never overwrites another's."""
+    more = f"-and-{len(docs) - 1}-more" if len(docs) > 1 else ""
+    name = f"eval-{Path(docs[0].path).stem}{more}-context{context}" + (f"-stride{stride}" if stride != context else "")
+    paths = [str(Path(d.path).resolve()) for d in docs]
+    try:
+        earlier = json.loads((out / f"{name}.json").read_text())
+        same = [str(Path(f["path"]).resolve()) for f in earlier.get("files", [])] == paths
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        same = True   # nothing there (or unreadable): the plain name
+    if not same:
+        name += "-" + hashlib.sha1("\n".join(paths).encode()).hexdigest()[:6]
+    return name
 
 
 # --------------------------------------------------------------------------- output

@@ -34,7 +34,9 @@ def position_bins(n: int, first: int = 1024) -> list[tuple[int, int]]:
 
 def bin_label(lo: int, hi: int) -> str:
     def short(x):
-        return f"{x // 1024}K" if x and x % 1024 == 0 else str(x)
+        if x and x % 1024 == 0:
+            return f"{x // 1024}K"
+        return f"{x / 1024:.0f}K" if x >= 10240 else str(x)   # a last bin cut at n: 64K-99K
     return f"{short(lo)}-{short(hi)}"
 
 
@@ -100,7 +102,9 @@ def format_by_position(fig: dict) -> str:
 
     for r in fig["bins"]:
         o, t = r["student_one_pass"], r["teacher_one_pass"]
-        ratio = "-" if o is None or t is None else f"{math.exp(o - t):.3f}"
+        # the same tokens only: in a bin that straddles the teacher's positions it reads fewer
+        same = o is not None and t is not None and r.get("teacher_tokens", r["tokens"]) == r["tokens"]
+        ratio = f"{math.exp(o - t):.3f}" if same else "-"
         rows.append((r["label"], str(r["tokens"]), f(o), f(r["student_windowed"]), f(t), f(r["teacher_windowed"]),
                      ratio))
     widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
@@ -109,7 +113,7 @@ def format_by_position(fig: dict) -> str:
     lines.insert(1, "-" * len(lines[0]))
     lines.append(f"mean loss (nats/token) by absolute position; one-pass = each document read once from its "
                  f"start; the teacher reads at most its {fig['teacher_positions']} positions; "
-                 f"ppl ratio = student / teacher one-pass")
+                 f"ppl ratio = student / teacher one-pass, where both read every token of the bin")
     return "\n".join(lines)
 
 
@@ -120,7 +124,7 @@ def plot_absolute(fig: dict, title: str, path: Path):
     import matplotlib.pyplot as plt
 
     bins = fig["bins"]
-    centre = np.array([max(1.0, math.sqrt(max(r["lo"], 1) * r["hi"])) for r in bins])
+    x = np.arange(len(bins))   # one slot per bin: the doubling bins are evenly spaced, as on a log axis
     p, ax = plt.subplots(figsize=(8, 4.5), dpi=120)
     for key, label, style in (("student_one_pass", "GLA model, one pass", "o-"),
                               ("student_windowed", "GLA model, windowed", "s--"),
@@ -129,10 +133,12 @@ def plot_absolute(fig: dict, title: str, path: Path):
         y = np.array([np.nan if r[key] is None else r[key] for r in bins])
         ok = np.isfinite(y)
         if ok.any():
-            ax.plot(centre[ok], y[ok], style, label=label, linewidth=1.2)
-    ax.axvline(fig["teacher_positions"], color="grey", linewidth=0.8, linestyle=":")
-    ax.set_xscale("log", base=2)
-    ax.set_xticks(centre, [r["label"] for r in bins], fontsize=8)
+            ax.plot(x[ok], y[ok], style, label=label, linewidth=1.2)
+    limit = fig["teacher_positions"]
+    for i, r in enumerate(bins):   # the teacher's last position, placed inside its bin
+        if r["lo"] <= limit < r["hi"]:
+            ax.axvline(i - 0.5 + (limit - r["lo"]) / (r["hi"] - r["lo"]), color="grey", linewidth=0.8, linestyle=":")
+    ax.set_xticks(x, [r["label"] for r in bins], fontsize=8, rotation=30, ha="right")
     ax.set_xlabel("absolute position (bins; dotted: the teacher's positions)")
     ax.set_ylabel("mean loss (nats / token)")
     ax.set_title(title, fontsize=10)

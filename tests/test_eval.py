@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 import math
 import tarfile
 
@@ -159,13 +160,21 @@ def test_several_files_json_png_and_table(model, tmp_path):
     mean = sum(f["student"]["nll"] * f["tokens"] for f in files) / overall["tokens"]
     assert overall["student"]["nll"] == pytest.approx(mean, rel=1e-9)
     out = folder / "eval"                                                   # the default: MODEL/eval
-    saved = json.loads((out / "eval-a+1-c64-s64.json").read_text())
+    saved = json.loads((out / "eval-a-and-1-more-context64.json").read_text())
     assert saved == json.loads(json.dumps(res))
-    assert (out / "eval-a+1-c64-s64.png").read_bytes()[:4] == b"\x89PNG"
-    assert sorted(p.name for p in out.iterdir()) == ["eval-a+1-c64-s64.json", "eval-a+1-c64-s64.png"]
+    assert (out / "eval-a-and-1-more-context64.png").read_bytes()[:4] == b"\x89PNG"
+    assert sorted(p.name for p in out.iterdir()) == ["eval-a-and-1-more-context64.json", "eval-a-and-1-more-context64.png"]
     table = "\n".join(lines)
     for needle in ("a.txt", "b.txt", "all", "stateful ppl", f"{overall['teacher']['ppl']:.2f}"):
         assert needle in table
+    assert lines[-1] == f"wrote {out / 'eval-a-and-1-more-context64.json'} and {out / 'eval-a-and-1-more-context64.png'}"
+    # another a.txt (of another folder) into the same --out: a name of its own, the first result kept
+    (tmp_path / "other").mkdir()
+    a2 = _write(tmp_path / "other" / "a.txt", sample_text(120, seed=4))
+    again = evaluate(folder, [a2, b], context=64, max_tokens=200, progress=False, log=lambda *_: None)
+    assert json.loads((out / "eval-a-and-1-more-context64.json").read_text()) == saved
+    assert Path(again["outputs"]["json"]).name.startswith("eval-a-and-1-more-context64-")
+    assert json.loads(Path(again["outputs"]["json"]).read_text())["files"][0]["path"] == str(a2)
 
 
 # ----------------------------------------------------------------------------- bad input
@@ -259,7 +268,7 @@ def test_real_smollm2_eval_on_milton(smollm2_gla, tmp_path):
     assert f["student"]["ppl"] > f["teacher"]["ppl"]                # conversion before distillation costs
     assert 0.3 < f["teacher"]["bpb"] < 3 and 1500 < f["bytes"] < 3000
     assert math.isfinite(f["stateful"]["ppl"]) and f["kl"] > 0
-    assert (tmp_path / "o" / "eval-paradise_regained_gut-c256-s256.png").is_file()
+    assert (tmp_path / "o" / "eval-paradise_regained_gut-context256.png").is_file()
     own = evaluate(folder, [text], teacher="self", context=256, max_tokens=512, out=tmp_path / "o2",
                    progress=False, log=lambda *_: None)
     # The converted folder holds the GGUF weights in bf16; the GGUF teacher is dequantised in fp32.

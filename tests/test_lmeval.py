@@ -97,7 +97,7 @@ def test_eval_bos_flag(folder, tmp_path):
                                        "--context", str(CONTEXT), "--out", str(tmp_path / "o")])
     assert result.exit_code == 0, result.output
     assert "BOS first" in result.output
-    (path,) = (tmp_path / "o").glob("eval-doc-c32-s32-bos.json")
+    (path,) = (tmp_path / "o").glob("eval-doc-context32-bos.json")
     res = json.loads(path.read_text())
     assert res["settings"]["bos"] is True and res["files"][0]["tokens"] == len(DOCS[0])
     assert res["by_position"]["count"][CONTEXT] > 0      # a full window predicts its last id from 32 before it
