@@ -65,13 +65,31 @@ _TRUST_HELP = ("Run Python code that a model or tokenizer folder ships (auto_map
                "you trust; glaswap's own model code never needs it.")
 
 
+class _LayerList(click.ParamType):
+    """Layer indices written as 3,9,15 (or [3, 9, 15]): a list of ints. Text that is not one
+    passes on unchanged, so that convert's own check names the problem in one line (click's
+    usage error would print the usage as well)."""
+    name = "LAYERS"
+
+    def convert(self, value, param, ctx):
+        if isinstance(value, str):
+            items = value.strip().strip("[]").replace(" ", "")
+            parts = items.split(",") if items else []
+            if all(p.lstrip("-").isdigit() for p in parts):
+                return [int(p) for p in parts]
+        return value
+
+
 def _gla_options(fn):
     """convert's flag for each GLA option that has one, from GLA_OPTIONS: a switch as
-    --x/--no-x, choices as click.Choice, numbers as int or float (their ranges are
-    check_gla_options', which convert runs), each passed on under the option's name."""
+    --x/--no-x, choices as click.Choice, numbers as int or float, layer lists as 3,9,15 (their
+    ranges are check_gla_options', which convert runs), each passed on under the option's name."""
     for opt in reversed([o for o in GLA_OPTIONS.values() if o.flag]):
         if opt.type is bool:
             fn = click.option("/".join(opt.flags), opt.name, default=opt.default, show_default=True,
+                              help=opt.help)(fn)
+        elif opt.type is list:
+            fn = click.option(opt.flag, opt.name, type=_LayerList(), default=opt.default, show_default="none",
                               help=opt.help)(fn)
         else:
             kind = click.Choice(opt.choices) if opt.choices else opt.type

@@ -1,7 +1,8 @@
 """`glaswap convert`: a Llama-family checkpoint in, a GLA model folder out.
 
 The source's tensors are streamed shard by shard into output shards (never two copies of
-the weights in memory), the new gate and feature-map tensors are added per layer, and the
+the weights in memory), the new gate and feature-map tensors are added per GLA layer (a
+softmax layer, config.softmax_layers, keeps the teacher's tensors alone), and the
 folder gets a config with `auto_map`, the modeling code, the tokenizer and `glaswap.json`.
 Everything is written to a temporary folder that becomes OUT only at the end.
 """
@@ -20,7 +21,7 @@ from glaswap.checkpoint import AUTO_MAP, FolderTensors, GGUFTensors, ShardWriter
 from glaswap.errors import GlaswapError
 from glaswap.layers.gla_attention import GLAAttention
 from glaswap.models.configuration_glaswap import GLASwapConfig
-from glaswap.models.gla_options import check_gla_options
+from glaswap.models.gla_options import check_gla_options, parse_auto, parse_softmax_layers
 from glaswap.models.modeling_glaswap import GLASwapForCausalLM
 from glaswap.runtime import DTYPES, dtype_named, versions
 from glaswap.sources import Source, resolve_source
@@ -39,6 +40,11 @@ def glaswap_config(src: dict, options: dict | None = None) -> GLASwapConfig:
                            f"{', '.join(SUPPORTED)} checkpoints")
     options = dict(options or {})
     _check_options(options)
+    if "softmax_layers" in options:
+        try:
+            options["softmax_layers"] = parse_softmax_layers(options["softmax_layers"], src["num_hidden_layers"])
+        except ValueError as e:
+            raise GlaswapError(str(e))
     heads = src["num_attention_heads"]
     head_dim = src.get("head_dim") or src["hidden_size"] // heads
     rope = src.get("rope_parameters") or dict(src.get("rope_scaling") or {})
@@ -73,9 +79,12 @@ def glaswap_config(src: dict, options: dict | None = None) -> GLASwapConfig:
 
 
 def _check_options(options: dict):
-    """check_gla_options, its message as a GlaswapError (before anything is read or written)."""
+    """check_gla_options, its message as a GlaswapError (before anything is read or written).
+    softmax_layers auto:N, which recipes take, is refused here: convert cannot measure."""
     try:
         check_gla_options(options)
+        if parse_auto(options.get("softmax_layers")) is not None:
+            parse_softmax_layers(options["softmax_layers"], 0)      # raises, saying that distill chooses
     except ValueError as e:
         raise GlaswapError(str(e))
 

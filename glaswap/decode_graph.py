@@ -8,10 +8,16 @@ captured once as a CUDA graph and replayed per token (`DecodeGraph`). A model wi
 cache also reads a prompt in blocks of SPARSE_BLOCK tokens (each block chooses what the cache
 keeps), equally bound by launches: those blocks replay a graph of their own. The eager path
 stays the fallback and is what runs on CPU.
+
+The softmax layers of a mixed model (config.softmax_layers) read a KV cache that grows with
+the context. A graph holds it in static buffers of a fixed capacity with a mask of the slots
+written so far, and writes each new token at a slot given by a device tensor; when the
+context outgrows the capacity, the step is captured again with more room.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 import weakref
 
@@ -20,6 +26,7 @@ import torch
 from glaswap.errors import GlaswapError
 from glaswap.layers.gla_attention import feature_dim, state_heads
 from glaswap.layers.hybrid_cache import SPARSE_BLOCK, HybridBuffers
+from glaswap.layers.softmax_attention import KV_STEP, KVBuffer
 from glaswap.models.modeling_glaswap import GLASwapCache, cache_of
 
 
@@ -47,43 +54,75 @@ def _warmup_stream(dev):
     return _WARMUP_STREAMS[key]
 
 
+def kv_length(cache) -> int:
+    """Tokens in the softmax layers' KV buffers of `cache` (0 without any)."""
+    return max((b.length for b in cache.kv if b is not None), default=0)
+
+
+def kv_capacity(needed: int) -> int:
+    """Static KV slots for a graph that must hold `needed` tokens: room for a quarter more (at
+    least KV_STEP) before it is captured again."""
+    return -(-(needed + max(KV_STEP, needed // 4)) // KV_STEP) * KV_STEP
+
+
+def _shares(a: KVBuffer | None, b: KVBuffer | None) -> bool:
+    return a is not None and b is not None and a.keys is b.keys
+
+
 class _StaticStep:
     """One forward of `tokens` new tokens (1: a decode step; SPARSE_BLOCK: a block of a prompt)
     for a fixed batch size, reading and writing only static buffers. `out`: the logits of a
-    decode step, the last hidden states of a block (the caller keeps the rows it needs)."""
+    decode step, the last hidden states of a block (the caller keeps the rows it needs).
+    Softmax layers get static KV buffers of `capacity` slots."""
 
-    def __init__(self, model, batch_size, backend, tokens=1):
+    def __init__(self, model, batch_size, backend, tokens=1, capacity=0):
         cfg = model.config
         dev = model.lm_head.weight.device
         v_dim = cfg.head_dim + (1 if cfg.normalizer else 0)        # the normaliser's column of ones
+        softmax = set(cfg.softmax_layers)
+        gla = [i not in softmax for i in range(cfg.num_hidden_layers)]
         self.model = model
         self.ids = torch.zeros(batch_size, tokens, dtype=torch.long, device=dev)
         self.pos = torch.zeros(batch_size, tokens, dtype=torch.long, device=dev)
         self.states = [torch.zeros(batch_size, state_heads(cfg), feature_dim(cfg), v_dim,
-                                   dtype=torch.float32, device=dev) for _ in range(cfg.num_hidden_layers)]
+                                   dtype=torch.float32, device=dev) if g else None for g in gla]
         # Hybrid layers: their window and sink buffers are static too (fixed size, like the state).
-        self.windows = [self._empty_window(cfg, batch_size, dev) if cfg.window else None
-                        for _ in range(cfg.num_hidden_layers)]
+        self.windows = [self._empty_window(cfg, batch_size, dev) if cfg.window and g else None for g in gla]
+        self.capacity = capacity
+        like = torch.zeros(1, dtype=self._dtype(), device=dev)
+        self.kv = [None if g else KVBuffer.empty(batch_size, cfg.num_key_value_heads, cfg.head_dim, like, capacity)
+                   for g in gla]
+        self.write_at = torch.zeros(1, dtype=torch.long, device=dev)   # the slot of the first new token
         self.cache = GLASwapCache(cfg.num_hidden_layers)
+        self.cache.kv_write_at = self.write_at
         self.out = None
         self.owner = None                                          # weakref to the cache aliasing self.states
         self._capture(backend, dev)
 
+    def _dtype(self):
+        return self.model.model.layers[0].self_attn.q_proj.weight.dtype
+
     def _empty_window(self, cfg, batch_size, dev):
-        dtype = self.model.model.layers[0].self_attn.q_proj.weight.dtype
+        dtype = self._dtype()
         k_r = torch.zeros(1, 1, cfg.num_key_value_heads, cfg.head_dim, dtype=dtype, device=dev)
         fk = torch.zeros(1, 1, state_heads(cfg), feature_dim(cfg), dtype=dtype, device=dev)
         return HybridBuffers.empty(batch_size, cfg.window, cfg.sinks, cfg.sparse_cache, k_r, fk)
 
-    def _alias(self, cache):
-        """Point `cache` at the static buffers."""
+    def _alias(self, cache, length=0, padded=False):
+        """Point `cache` at the static buffers; its KV buffers hold `length` tokens (`padded`:
+        some of them padding)."""
         cache.states = list(self.states)
         cache.windows = [w.map(lambda t: t) if w is not None else None for w in self.windows]
+        cache.kv = [dataclasses.replace(b, length=length, padded=padded) if b is not None else None for b in self.kv]
 
     def _aliases(self, cache) -> bool:
-        return (len(cache.states) == len(self.states) and all(s is b for s, b in zip(cache.states, self.states))
-                and all(w is None or (c is not None and all(a is b for a, b in zip(c.tensors(), w.tensors())))
-                        for w, c in zip(self.windows, cache.windows)))
+        def same(mine, theirs):
+            return mine is None or (theirs is not None and all(a is b for a, b in zip(theirs.tensors(),
+                                                                                     mine.tensors())))
+        return (len(cache.states) == len(self.states) and len(cache.kv) == len(self.kv)
+                and all(s is b for s, b in zip(cache.states, self.states))
+                and all(same(w, c) for w, c in zip(self.windows, cache.windows))
+                and all(same(b, c) for b, c in zip(self.kv, cache.kv)))
 
     def _run(self):
         self._alias(self.cache)
@@ -94,7 +133,9 @@ class _StaticStep:
             self.out = torch.empty_like(out)
         self.out.copy_(out)
         for buf, new in zip(self.states, self.cache.states):
-            buf.copy_(new)
+            if buf is not None:
+                buf.copy_(new)
+        # the softmax layers wrote their KV buffers in place
         for buf, new in zip(self.windows, self.cache.windows):
             if buf is not None:
                 buf.copy_(new)
@@ -117,20 +158,40 @@ class _StaticStep:
             self._run()
 
     def adopt(self, cache):
-        """Make `cache`'s states (and window buffers) the static buffers, copying its values in,
-        unless they already are."""
+        """Make `cache`'s states (and window and KV buffers) the static buffers, copying its
+        values in, unless they already are. Its KV must fit the capacity."""
         if self._aliases(cache):
             return
         previous = self.owner() if self.owner is not None else None
-        if previous is not None and previous is not cache and any(
-                s is b for s, b in zip(previous.states, self.states)):
-            previous.states = [b.clone() for b in self.states]    # another cache keeps its own copy
-            previous.windows = [w.map(torch.clone) if w is not None else None for w in self.windows]
+        if previous is not None and previous is not cache:     # another cache keeps its own copy
+            if any(s is b for s, b in zip(previous.states, self.states) if b is not None):
+                previous.states = [b.clone() if b is not None else None for b in self.states]
+                previous.windows = [w.map(torch.clone) if w is not None else None for w in self.windows]
+            # an eager call after the graph's steps may have written the KV buffers in place
+            previous.kv = [b.map(torch.clone) if b is not None and _shares(b, mine) else b
+                           for b, mine in zip(previous.kv, self.kv)]
         for buf, s in zip(self.states, cache.states):
+            if buf is None:
+                continue
             if s is None:
                 buf.zero_()
             else:
                 buf.copy_(s)
+        length = kv_length(cache)
+        for i, buf in enumerate(self.kv):
+            if buf is None:
+                continue
+            src = cache.kv_buffer(i)
+            n = src.length if src is not None else 0
+            if n != length:
+                raise ValueError(f"softmax layer {i} holds {n} tokens, others {length}: not one context")
+            if _shares(src, buf):
+                continue                                           # already in place
+            buf.valid.zero_()
+            if n:
+                buf.keys[:, :, :n].copy_(src.keys[:, :, :n])
+                buf.values[:, :, :n].copy_(src.values[:, :, :n])
+                buf.valid[:, :n].copy_(src.valid[:, :n])
         empty = None
         for i, buf in enumerate(self.windows):
             if buf is None:
@@ -141,8 +202,13 @@ class _StaticStep:
                 empty = empty or self._empty_window(self.model.config, positions.shape[0], positions.device)
                 src = empty
             buf.copy_(src)
-        self._alias(cache)
+        self._alias(cache, length, any(b.padded for b in cache.kv if b is not None))
         self.owner = weakref.ref(cache)
+
+    def advance(self, cache, tokens):
+        """After a replay that wrote `tokens` new tokens: the cache counts them."""
+        cache.seen_tokens += tokens
+        cache.kv = [dataclasses.replace(b, length=b.length + tokens) if b is not None else None for b in cache.kv]
 
 
 class DecodeGraph:
@@ -156,8 +222,9 @@ class DecodeGraph:
     A model with a sparse cache also reads prompts of SPARSE_BLOCK tokens or more through a
     graph of one block (`prefill`): the full blocks replay it, a shorter rest runs eagerly.
     The blocks are the ones an eager forward of the same call would choose in, so the cache
-    ends the same. backend "replay" re-runs the step eagerly instead of replaying a graph
-    (CPU tests).
+    ends the same. A mixed model's softmax layers read static KV buffers, and a step is
+    captured again, with a quarter more room, when the context outgrows them. backend
+    "replay" re-runs the step eagerly instead of replaying a graph (CPU tests).
     """
 
     def __init__(self, model, backend="cuda", strict=False):
@@ -196,18 +263,24 @@ class DecodeGraph:
                 and self._servable(input_ids, inputs_embeds, cache) and input_ids.shape[1] >= SPARSE_BLOCK
                 and (attention_mask is None or bool(attention_mask.all())))     # the one host sync, last
 
-    def _static(self, table, batch_size, tokens):
-        """The static step of `table` for this batch size, captured on first use; None when it
+    def _static(self, table, batch_size, tokens, kv_needed=0):
+        """The static step of `table` for this batch size, captured on first use, and again with
+        more KV slots when its softmax layers must hold more than `kv_needed` tokens; None when it
         cannot be captured (then the failure is recorded and the caller runs eagerly)."""
         fingerprint = self._fingerprint()
         if fingerprint != self.fingerprint:
             self.steps.clear()
             self.blocks.clear()
             self.fingerprint = fingerprint
+        mixed = bool(self.model.config.softmax_layers)
         static = table.get(batch_size)
+        if static is not None and mixed and static.capacity < kv_needed:
+            del table[batch_size]           # the caches aliasing it keep its buffers until adopted anew
+            static = None
         if static is None:
             try:
-                static = table[batch_size] = _StaticStep(self.model, batch_size, self.backend, tokens)
+                capacity = kv_capacity(kv_needed) if mixed else 0
+                static = table[batch_size] = _StaticStep(self.model, batch_size, self.backend, tokens, capacity)
             except Exception as e:
                 if self.strict:
                     raise
@@ -225,7 +298,8 @@ class DecodeGraph:
         """Logits [B, 1, vocab] of the next token, advancing `cache` by one token; None (cache
         untouched) when the graph cannot be captured, so the caller runs the step eagerly."""
         with torch.inference_mode(False), torch.no_grad():   # static buffers must be normal tensors
-            static = self._static(self.steps, input_ids.shape[0], 1)
+            length = kv_length(cache)
+            static = self._static(self.steps, input_ids.shape[0], 1, length + 1)
             if static is None:
                 return None
             static.adopt(cache)
@@ -234,8 +308,9 @@ class DecodeGraph:
                 static.pos.fill_(cache.seen_tokens)
             else:
                 static.pos.copy_(position_ids[:, -1:])
+            static.write_at.fill_(length)
             static.graph.replay()
-            cache.seen_tokens += 1
+            static.advance(cache, 1)
             return static.out.clone()
 
     def prefill(self, input_ids, position_ids, cache, logits_to_keep=0):
@@ -244,20 +319,22 @@ class DecodeGraph:
         block graph cannot be captured, so the caller reads the prompt eagerly."""
         with torch.inference_mode(False), torch.no_grad():
             B, T = input_ids.shape
-            static = self._static(self.blocks, B, SPARSE_BLOCK)
+            length = kv_length(cache)
+            full = T - T % SPARSE_BLOCK
+            static = self._static(self.blocks, B, SPARSE_BLOCK, length + full)
             if static is None:
                 return None
             if position_ids is None:
                 position_ids = torch.arange(cache.seen_tokens, cache.seen_tokens + T, device=input_ids.device)[None]
             want = logits_to_keep if isinstance(logits_to_keep, int) and logits_to_keep > 0 else T
-            full = T - T % SPARSE_BLOCK
             static.adopt(cache)
             hidden = []
             for a in range(0, full, SPARSE_BLOCK):
                 static.ids.copy_(input_ids[:, a:a + SPARSE_BLOCK])
                 static.pos.copy_(position_ids[:, a:a + SPARSE_BLOCK])
+                static.write_at.fill_(length + a)
                 static.graph.replay()
-                cache.seen_tokens += SPARSE_BLOCK
+                static.advance(cache, SPARSE_BLOCK)
                 if a + SPARSE_BLOCK > T - want:
                     hidden.append(static.out.clone())
             if full < T:   # the rest, shorter than a block: one eager block, as a whole forward ends
@@ -292,8 +369,9 @@ def check_decode_graph(model, prompt, steps: int = 8, backend: str = "cuda") -> 
     out = model(input_ids=prompt, use_cache=True, logits_to_keep=1)
     eager_cache = cache_of(out)
     graph_cache = GLASwapCache(len(eager_cache))
-    graph_cache.states = [s.clone() for s in eager_cache.states]
+    graph_cache.states = [s.clone() if s is not None else None for s in eager_cache.states]
     graph_cache.windows = [w.map(torch.clone) if w is not None else None for w in eager_cache.windows]
+    graph_cache.kv = [b.map(torch.clone) if b is not None else None for b in eager_cache.kv]
     graph_cache.seen_tokens = eager_cache.seen_tokens
     token = out.logits[:, -1:].argmax(-1)
     previous = model.decode_runner

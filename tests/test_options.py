@@ -43,6 +43,9 @@ def _readme_default(opt, cell):
     if opt.type is bool:
         assert cell in ("on", "off"), (opt.name, cell)
         return cell == "on"
+    if opt.type is list:
+        assert cell == "none", (opt.name, cell)
+        return []
     return opt.type(float(cell))
 
 
@@ -58,7 +61,7 @@ def test_readme_table_is_gla_options():
 def test_each_option_is_well_formed_and_its_default_valid():
     check_gla_options({name: opt.default for name, opt in GLA_OPTIONS.items()})
     for name, opt in GLA_OPTIONS.items():
-        assert opt.name == name and opt.type in (bool, int, float, str), name
+        assert opt.name == name and opt.type in (bool, int, float, str, list), name
         assert opt.help and "\n" not in opt.help and "|" not in opt.help, name     # one line, a table cell
         assert (opt.choices is not None) == (opt.type is str), name
         assert opt.flag is None or re.fullmatch(r"--[a-z][a-z-]*", opt.flag), name
@@ -85,6 +88,9 @@ def test_convert_flags_come_from_gla_options():
     (["--gate-init-decay", "1"], "invalid gate_init_decay 1.0; expected 0 < decay < 1"),
     (["--rope-max-wavelength", "-1"], "invalid rope_max_wavelength -1.0; expected >= 0"),
     (["--sparse-cache", "4"], "a sparse cache needs a window"),
+    (["--softmax-layers", "2,2"], "invalid softmax_layers [2, 2]; layer 2 is listed twice"),
+    (["--softmax-layers", "auto:4"], "set model.options.softmax_layers: auto:4 in a recipe"),
+    (["--softmax-layers", "auto:0"], "auto:N needs N >= 1"),
 ])
 def test_convert_flags_are_checked_by_check_gla_options(tmp_path, bad, message):
     from click.testing import CliRunner
@@ -100,7 +106,8 @@ def test_base_record_command_gives_back_the_options(tmp_path):
     """Every option with a flag, away from its default, survives the adapter's rebuild command."""
     options = {"gate": "scalar", "gate_rank": 4, "gate_init_decay": 0.9, "feature_map": "hedgehog_pm",
                "normalizer": True, "use_rope": False, "rope_max_wavelength": 512.0, "decay_horizon": 100.0,
-               "state_heads": "query", "window": 8, "sinks": 2, "window_mix": "learned", "sparse_cache": 4}
+               "state_heads": "query", "window": 8, "sinks": 2, "window_mix": "learned", "sparse_cache": 4,
+               "softmax_layers": [1, 3]}
     assert set(options) == {n for n, o in GLA_OPTIONS.items() if o.flag}
     full = {name: opt.default for name, opt in GLA_OPTIONS.items()} | options
     meta = {"options": full, "dtype": "float32", "seed": 3, "source": {}}
@@ -148,7 +155,7 @@ def test_configuration_file_imports_only_what_a_saved_folder_has():
     from glaswap.checkpoint import CODE_FILES
 
     assert ("glaswap/models/gla_options.py", "gla_options.py") in CODE_FILES
-    stdlib = {"__future__", "math", "dataclasses", "typing"}
+    stdlib = {"__future__", "math", "re", "dataclasses", "typing"}
     for path, allowed in ((CONFIG_FILE, stdlib | {"transformers", "torch", "glaswap.models.gla_options"}),
                           (CONFIG_FILE.parent / "gla_options.py", stdlib)):
         for node in ast.walk(ast.parse(path.read_text())):

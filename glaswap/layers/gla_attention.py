@@ -5,7 +5,9 @@ teacher has them) under the same names, so checkpoints and LoRA targets carry ov
 a gate and, optionally, learned feature maps. The same module can also run the teacher's
 softmax attention from the same weights (`mode = "softmax"`, softmax_attention.py):
 distillation uses that for teacher outputs without a second copy of the model. A hybrid
-layer's cache and reading through it live in hybrid_cache.py.
+layer's cache and reading through it live in hybrid_cache.py. A softmax layer of a mixed
+model (config.softmax_layers, `is_softmax`) is the teacher's attention in every mode, with no
+new parameters and a KV cache.
 
 This file is copied into every saved model folder: it imports only torch, transformers'
 public utilities, the other files of glaswap.layers and the GLA ops, never the rest of glaswap.
@@ -20,7 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from glaswap.layers.hybrid_cache import ExactInputs, HybridBuffers, StreamLayer, stream
-from glaswap.layers.softmax_attention import softmax_attention
+from glaswap.layers.softmax_attention import cached_softmax_attention, softmax_attention
 from glaswap_kernels.ops import (chunk_gla, decode_step, feature_map, gate_logsigmoid, normalize, rope, window_attention,
                                  window_mix, with_ones)
 
@@ -30,6 +32,8 @@ LEARNED_MAPS = ("hedgehog", "hedgehog_pm")   # the maps with a per-head matrix W
 # teacher's output, with the GLA output's distance to it (attention transfer, distillation's
 # stage 1; GLAAttention.forward returns it).
 MODES = ("gla", "softmax", "transfer")
+# The modules conversion adds to a GLA layer; a softmax layer has none of them.
+NEW_MODULES = ("gate_down", "gate_up", "gate_proj", "q_map", "k_map", "window_mix")
 
 
 def feature_dim(config):
@@ -139,6 +143,8 @@ class GLAAttention(nn.Module):
         # gates are per state head; each KV head is repeated over its query heads if needed.
         self.num_state_heads = state_heads(config)
         self.mode = "gla"   # one of MODES
+        # The teacher's exact attention in every mode (config.softmax_layers): no new parameters.
+        self.is_softmax = layer_idx in config.softmax_layers
 
         q_dim, kv_dim = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         self.q_proj = nn.Linear(self.hidden_size, q_dim, bias=config.qkv_bias)
@@ -148,6 +154,10 @@ class GLAAttention(nn.Module):
         if config.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, eps=config.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, eps=config.rms_norm_eps)
+        self._rope_keep = None   # rope_kept_dims as cos's dtype and device, made on first use
+        self._sink_turn = None   # (cos, sin) of sink_rotation, made on first use
+        if self.is_softmax:
+            return
 
         # New parameters (the only ones attention transfer trains).
         if config.gate == "lowrank":
@@ -155,8 +165,6 @@ class GLAAttention(nn.Module):
             self.gate_up = nn.Linear(config.gate_rank, self.num_state_heads * self.head_dim, bias=True)
         elif config.gate == "scalar":
             self.gate_proj = nn.Linear(self.hidden_size, self.num_state_heads, bias=True)
-        self._rope_keep = None   # rope_kept_dims as cos's dtype and device, made on first use
-        self._sink_turn = None   # (cos, sin) of sink_rotation, made on first use
         if config.window:
             self.window_mix = WindowMix(self.num_heads)
         self.q_map = FeatureMap(config.feature_map, self.num_heads, self.head_dim)
@@ -174,6 +182,8 @@ class GLAAttention(nn.Module):
         step 0, like a LoRA B matrix), its bias gives the starting decay; the down
         projection is small and random so gradients reach it once `gate_up` moves.
         """
+        if self.is_softmax:
+            return
         cfg = self.config
         bias = self._start_logit()
         if cfg.gate == "lowrank":
@@ -190,9 +200,17 @@ class GLAAttention(nn.Module):
                 m.weight.copy_(torch.eye(self.head_dim).repeat(m.weight.shape[0], 1, 1))
 
     def new_parameter_names(self):
-        names = [n for n, _ in self.named_parameters()
-                 if n.startswith(("gate_down.", "gate_up.", "gate_proj.", "q_map.", "k_map.", "window_mix."))]
-        return names
+        prefixes = tuple(m + "." for m in NEW_MODULES)
+        return [n for n, _ in self.named_parameters() if n.startswith(prefixes)]
+
+    def make_softmax(self):
+        """Turn this GLA layer into a softmax layer in place: its new modules are deleted (and
+        with them any wrapper peft put around them), the teacher's projections stay as they are
+        (LoRA layers on them included). The config's softmax_layers is the caller's to update."""
+        for name in NEW_MODULES:
+            if hasattr(self, name):
+                delattr(self, name)
+        self.is_softmax = True
 
     # ----------------------------------------------------------------------------------
     def _project(self, x):
@@ -243,6 +261,9 @@ class GLAAttention(nn.Module):
                 past_key_values=None, cu_seqlens=None, position_ids=None, **kwargs):
         """(output [B, T, hidden], transfer loss): the loss is the GLA output's MSE to the
         teacher's in "transfer" mode, None otherwise."""
+        if self.is_softmax:
+            return self._softmax_layer(hidden_states, position_embeddings, attention_mask, past_key_values,
+                                       cu_seqlens), None
         if self.mode == "transfer":
             # Attention transfer: this layer's gate and feature maps learn on the teacher's own
             # inputs and projections, held fixed. Without the detach each layer's loss would run
@@ -259,6 +280,24 @@ class GLAAttention(nn.Module):
             return self._teacher(q, k, v, position_embeddings, attention_mask, cu_seqlens), None
         return self._gla(hidden_states, q, k, v, position_embeddings, attention_mask,
                          past_key_values, cu_seqlens, position_ids), None
+
+    def _softmax_layer(self, x, position_embeddings, attention_mask, cache, cu_seqlens):
+        """A softmax layer's output in every mode: the teacher's attention, through the cache's
+        KVBuffer when there is one. In "transfer" mode it has nothing to learn, so it runs as the
+        teacher does there, without gradients."""
+        if self.mode == "transfer":
+            with torch.no_grad():
+                q, k, v = self._project(x.detach())
+                return self._teacher(q, k, v, position_embeddings, attention_mask, cu_seqlens)
+        q, k, v = self._project(x)
+        if cache is None:
+            return self._teacher(q, k, v, position_embeddings, attention_mask, cu_seqlens)
+        T = q.shape[1]
+        valid = attention_mask[:, -T:].bool() if attention_mask is not None and attention_mask.dim() == 2 else None
+        o, kv = cached_softmax_attention(q, k, v, position_embeddings, cache.kv_buffer(self.layer_idx), valid,
+                                         self.config.sliding_window, cache.kv_write_at)
+        cache.set_kv_buffer(self.layer_idx, kv)
+        return self.o_proj(o)
 
     def _teacher(self, q, k, v, position_embeddings, attention_mask, cu_seqlens):
         o = softmax_attention(q, k, v, position_embeddings, attention_mask, cu_seqlens, self.config.sliding_window)

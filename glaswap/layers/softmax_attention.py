@@ -2,19 +2,27 @@
 
 Distillation reads the teacher's outputs from the same weights (the layer's "softmax" and
 "transfer" modes) rather than from a second copy of the model: SDPA, or torch's flash varlen
-kernel over packed documents on CUDA.
+kernel over packed documents on CUDA. A softmax layer of a mixed model (config.softmax_layers)
+runs it in every mode, and reads with a cache through a `KVBuffer` (cached_softmax_attention).
 
 This file is copied into every saved model folder: it imports only torch and the GLA ops.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
 from glaswap_kernels.ops import apply_rope
+
+try:
+    from torch.nn.attention.bias import causal_lower_right
+except ImportError:     # older torch: an explicit mask instead
+    causal_lower_right = None
 
 
 def softmax_attention(q, k, v, position_embeddings, attention_mask=None, cu_seqlens=None, sliding_window=None):
@@ -96,3 +104,138 @@ def softmax_mask(B, T, device, attention_mask, cu_seqlens, sliding_window):
         # A fully padded query row would give NaN; let it see itself (its output is unused).
         allowed = allowed | torch.eye(T, dtype=torch.bool, device=device)[None, None]
     return allowed
+
+
+# A KV buffer grows by whole blocks of this many slots, and by at least a quarter of its size,
+# so that decoding token by token copies it only now and then.
+KV_STEP = 256
+
+
+def _blocks(n):
+    return -(-n // KV_STEP) * KV_STEP
+
+
+@dataclass
+class KVBuffer:
+    """A softmax layer's KV cache: the rotated keys and the values [B, Hkv, capacity, D], of
+    which the first `length` slots are written, and `valid` [B, capacity], True where a slot
+    holds a real token (False for padding and for slots not written yet), so that a left-padded
+    row never attends to its padding. Slot order is token order: distances between slots are
+    distances between tokens. `padded`: whether any padding was ever written (when not, the
+    attention needs no mask beyond causality)."""
+    keys: torch.Tensor
+    values: torch.Tensor
+    valid: torch.Tensor
+    length: int
+    padded: bool = False
+
+    @classmethod
+    def empty(cls, batch, heads, dim, like, capacity):
+        """No tokens yet; `like` gives the dtype and device."""
+        zeros = like.new_zeros(batch, heads, capacity, dim)
+        return cls(zeros, zeros.clone(), torch.zeros(batch, capacity, dtype=torch.bool, device=like.device), 0)
+
+    @property
+    def capacity(self):
+        return self.keys.shape[2]
+
+    def tensors(self):
+        return [self.keys, self.values, self.valid]
+
+    def map(self, fn):
+        """The buffer with fn applied to each tensor (each has the batch as dimension 0)."""
+        return KVBuffer(fn(self.keys), fn(self.values), fn(self.valid), self.length, self.padded)
+
+    def resized(self, capacity, keep=None):
+        """A copy in new tensors of `capacity` slots holding the last `keep` (default: all)
+        written tokens."""
+        keep = self.length if keep is None else min(keep, self.length)
+        B, H, _, D = self.keys.shape
+        out = KVBuffer.empty(B, H, D, self.keys, capacity)
+        a = self.length - keep
+        out.keys[:, :, :keep] = self.keys[:, :, a:self.length]
+        out.values[:, :, :keep] = self.values[:, :, a:self.length]
+        out.valid[:, :keep] = self.valid[:, a:self.length]
+        return dataclasses.replace(out, length=keep, padded=self.padded)
+
+    def with_room(self, tokens):
+        """This buffer if `tokens` more fit, else a larger copy."""
+        need = self.length + tokens
+        if need <= self.capacity:
+            return self
+        return self.resized(_blocks(max(need, self.capacity + self.capacity // 4)))
+
+
+def cached_softmax_attention(q, k, v, position_embeddings, kv: KVBuffer | None, valid_new=None, sliding_window=None,
+                             write_at=None):
+    """Causal softmax attention of T new tokens after those in `kv` (None: none), RoPE applied
+    here, scale D^-0.5: (output [B, T, H * D], the buffer after). q [B, T, H, D]; k, v
+    [B, T, Hkv, D]; valid_new [B, T] bool, False for padding (None: no padding).
+
+    Eagerly (write_at None) the buffer grows as needed and its length counts the new tokens;
+    without padding no mask is built (one new token reads every key, several take SDPA's
+    causal kernels). For a captured decode graph, write_at (a long tensor [1] on the device)
+    is the slot of the first new token: the buffer is written in place at fixed shapes, every
+    slot is read under the mask, and its length is left to the caller (the graph replays the
+    same call)."""
+    cos, sin = position_embeddings
+    q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+    B, T, H, D = q.shape
+    Hkv = k.shape[2]
+    q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)          # [B, heads, T, D]
+    if kv is None:
+        kv = KVBuffer.empty(B, Hkv, D, k, _blocks(T))
+    past = kv.length
+    # eagerly, with no padding ever and every key inside the teacher's window: causality alone
+    unmasked = write_at is None and valid_new is None and not kv.padded \
+        and not (sliding_window and past + T > sliding_window)
+    padded = kv.padded or valid_new is not None       # a given mask counts as padding (no host sync)
+    if valid_new is None:
+        valid_new = torch.ones(B, T, dtype=torch.bool, device=q.device)
+    if write_at is None:
+        kv = kv.with_room(T)
+        slots = torch.arange(past, past + T, device=q.device)
+        width = past + T
+    else:
+        slots = write_at + torch.arange(T, device=q.device)
+        width = kv.capacity
+    kv.keys.index_copy_(2, slots, k.to(kv.keys.dtype))
+    kv.values.index_copy_(2, slots, v.to(kv.values.dtype))
+    kv.valid.index_copy_(1, slots, valid_new.bool())
+    if unmasked and (past == 0 or T == 1 or causal_lower_right is not None):
+        keys, values = (k, v) if past == 0 else (kv.keys[:, :, :width], kv.values[:, :, :width])
+        o = _grouped_sdpa(q, keys, values, None, D ** -0.5)
+    else:
+        j = torch.arange(width, device=q.device)
+        allowed = j[None, :] <= slots[:, None]                                     # [T, width]
+        if sliding_window:
+            allowed = allowed & (slots[:, None] - j[None, :] < sliding_window)
+        # a padded query sees itself, so no row is empty (its output is never used)
+        allowed = (allowed[None] & kv.valid[:, None, :width]) | (j[None, :] == slots[:, None])[None]
+        o = _grouped_sdpa(q, kv.keys[:, :, :width], kv.values[:, :, :width], allowed, D ** -0.5)
+    if write_at is None:
+        kv = dataclasses.replace(kv, length=width, padded=padded)
+        if sliding_window and kv.length >= 2 * sliding_window + KV_STEP:
+            # keys further back than the window are never read again
+            kv = kv.resized(_blocks(2 * sliding_window), keep=sliding_window - 1)
+    return o.transpose(1, 2).reshape(B, T, H * D), kv
+
+
+def _grouped_sdpa(q, k, v, allowed, scale):
+    """SDPA of q [B, H, T, D] over k, v [B, Hkv, S, D]: the T queries are the last T of the S
+    keys' tokens. allowed: [B, T, S] bool, or None for causal attention alone. Where there is a
+    mask or one query, each group's R query heads read as R * T rows, without copying k and v
+    per query head. Returns [B, H, T, D]."""
+    B, H, T, D = q.shape
+    Hkv, S = k.shape[1], k.shape[2]
+    R = H // Hkv
+    if allowed is None and T == 1:     # one new token reads every key
+        return F.scaled_dot_product_attention(q.reshape(B, Hkv, R, D), k, v, scale=scale).reshape(B, H, 1, D)
+    if allowed is None:
+        if R > 1:
+            k, v = k.repeat_interleave(R, dim=1), v.repeat_interleave(R, dim=1)
+        causal = dict(is_causal=True) if S == T else dict(attn_mask=causal_lower_right(T, S))
+        return F.scaled_dot_product_attention(q, k, v, scale=scale, **causal)
+    qg = q.reshape(B, Hkv, R * T, D)
+    mask = allowed[:, None, None].expand(B, 1, R, T, S).reshape(B, 1, R * T, S)
+    return F.scaled_dot_product_attention(qg, k, v, attn_mask=mask, scale=scale).reshape(B, H, T, D)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from transformers import PretrainedConfig
 
-from glaswap.models.gla_options import BEFORE_OPTION, GLA_OPTIONS, check_gla_options
+from glaswap.models.gla_options import BEFORE_OPTION, GLA_OPTIONS, check_gla_options, parse_softmax_layers
 
 
 class GLASwapConfig(PretrainedConfig):
@@ -68,6 +68,8 @@ class GLASwapConfig(PretrainedConfig):
         gla = {name: kwargs.pop(name, BEFORE_OPTION.get(name, opt.default) if saved else opt.default)
                for name, opt in GLA_OPTIONS.items()}
         check_gla_options(gla)
+        # a model holds explicit layers (sorted, each once, inside it): auto:N is distill's to resolve
+        gla["softmax_layers"] = parse_softmax_layers(gla["softmax_layers"], self.num_hidden_layers)
         for name, value in gla.items():
             setattr(self, name, value)
         super().__init__(pad_token_id=pad_token_id, bos_token_id=bos_token_id, eos_token_id=eos_token_id,

@@ -11,6 +11,7 @@ starts: it imports only the standard library.
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -21,7 +22,7 @@ class Option:
     CLI's and the README table's), allowed values, and a check of one value of the right type,
     which returns what is expected of it when the value is wrong (None when it is fine)."""
     name: str
-    type: type                      # bool, int, float or str
+    type: type                      # bool, int, float, str, or list (of layer indices)
     default: Any
     help: str
     choices: tuple | None = None
@@ -92,6 +93,10 @@ GLA_OPTIONS = {o.name: o for o in (
            "many older tokens out of the state, those the state recalls worst (after LoLA, arXiv 2505.23666), "
            "attended exactly; eval, passkey and generate take --sparse-cache to change it. 0: none.",
            check=_whole(0), flag="--sparse-cache"),
+    Option("softmax_layers", list, [], "Decoder layers (from 0) that keep the teacher's own attention: exact softmax "
+           "over the whole context with a KV cache, no new parameters, no attention transfer; e.g. 3,9,15. Recipes "
+           "also take auto:N, N layers that distill chooses by measurement after attention transfer.",
+           check=lambda v: _layers_problem(v), flag="--softmax-layers"),
 )}
 
 # What a config.json written before an option existed was made with, where that is not the
@@ -105,12 +110,94 @@ def decay_bound(horizon: float) -> float:
     return math.exp(-1.0 / horizon) if horizon else 1.0
 
 
+AUTO_HINT = "set model.options.softmax_layers: auto:{n} in a recipe (distill picks them after attention transfer)"
+
+
+def _auto_count(value):
+    """N of an "auto:N" string (an int, or a problem string when malformed), else None."""
+    if not isinstance(value, str) or not value.strip().lower().startswith("auto"):
+        return None
+    m = re.fullmatch(r"auto:(\d+)", value.strip().lower())
+    if not m:
+        return "expected auto:N with a whole number N >= 1, or layer indices such as 3,9,15"
+    if int(m[1]) < 1:
+        return "auto:N needs N >= 1, the number of layers distill keeps as softmax attention"
+    return int(m[1])
+
+
+def _layer_list(value):
+    """The layer indices of an explicit list (a list of ints, or text like "3,9,15" or
+    "[3, 9, 15]"), in the order given; a problem string when it is not one."""
+    if isinstance(value, str):
+        text = value.strip()
+        if text.startswith("[") and text.endswith("]"):
+            text = text[1:-1]
+        items = [t.strip() for t in text.split(",")] if text.strip() else []
+        if not all(re.fullmatch(r"-?\d+", t) for t in items):
+            return "expected whole-number layer indices such as 3,9,15"
+        return [int(t) for t in items]
+    if isinstance(value, (list, tuple)):
+        if not all(isinstance(v, int) and not isinstance(v, bool) for v in value):
+            return "expected whole-number layer indices such as 3,9,15"
+        return list(value)
+    return "expected layer indices such as 3,9,15 (a list or comma-separated text)"
+
+
+def _layers_problem(value, num_layers=None) -> str | None:
+    """What is wrong with a softmax_layers value, else None; "auto:N" is fine here (recipes
+    take it). With num_layers, the indices must also lie in the model."""
+    auto = _auto_count(value)
+    if auto is not None:
+        return auto if isinstance(auto, str) else None
+    layers = _layer_list(value)
+    if isinstance(layers, str):
+        return layers
+    negative = [i for i in layers if i < 0]
+    if negative:
+        return f"layer {negative[0]} is negative: layers count from 0"
+    twice = sorted({i for i in layers if layers.count(i) > 1})
+    if twice:
+        return f"layer {twice[0]} is listed twice: list each layer once"
+    if num_layers is not None:
+        outside = [i for i in layers if i >= num_layers]
+        if outside:
+            return (f"layer {outside[0]} is out of range: the model has {num_layers} layers, "
+                    f"0 to {num_layers - 1}")
+    return None
+
+
+def parse_auto(value) -> int | None:
+    """N for a softmax_layers value "auto:N" (N >= 1); None for any value that is not auto
+    (an explicit list). A ValueError, one line, for auto:0 and malformed auto."""
+    auto = _auto_count(value)
+    if isinstance(auto, str):
+        raise ValueError(f"invalid softmax_layers {value!r}; {auto}")
+    return auto
+
+
+def parse_softmax_layers(value, num_layers: int) -> list[int]:
+    """An explicit softmax_layers value (a list, or text like "3,9,15") as the sorted layer
+    indices of a model of num_layers layers. A ValueError, one line naming the problem and
+    the fix, for anything else: auto:N (which only distill resolves), repeated, negative,
+    out-of-range or non-integer indices."""
+    auto = parse_auto(value)
+    if auto is not None:
+        raise ValueError(f"softmax_layers {value!r} is chosen by measurement, which convert and a model config "
+                         f"cannot do: {AUTO_HINT.format(n=auto)}")
+    problem = _layers_problem(value, num_layers)
+    if problem:
+        raise ValueError(f"invalid softmax_layers {value!r}; {problem}")
+    return sorted(_layer_list(value))
+
+
 def _value_problem(opt: Option, value) -> str | None:
     """What is expected of `value` for `opt` when it is wrong, else None."""
     if opt.choices is not None:
         return None if value in opt.choices else f"choose one of {', '.join(map(str, opt.choices))}"
     if opt.type is bool:
         return None if isinstance(value, bool) else "expected true or false"
+    if opt.type is list:
+        return opt.check(value)
     if isinstance(value, bool):
         return "expected a whole number" if opt.type is int else "expected a number"
     if opt.type is int and not isinstance(value, int):

@@ -1,9 +1,10 @@
 """Hugging Face model classes of a glaswap GLA model.
 
 The decoder is the teacher's (Llama, Mistral, Qwen2, Qwen3: embeddings, RMSNorms, gated MLP,
-biases, q/k norms, tied embeddings) with every softmax attention replaced by `GLAAttention`.
-Weight names match the teacher's, so a converted checkpoint is the teacher's tensors plus
-the new gate and feature-map tensors.
+biases, q/k norms, tied embeddings) with every softmax attention replaced by `GLAAttention`,
+except in the layers config.softmax_layers lists, which keep the teacher's attention (a mixed
+model). Weight names match the teacher's, so a converted checkpoint is the teacher's tensors
+plus the new gate and feature-map tensors of the GLA layers.
 
 Copied into every saved model folder next to the layer and the kernels; loading with
 `AutoModelForCausalLM.from_pretrained(path, trust_remote_code=True)` needs no glaswap.
@@ -27,7 +28,9 @@ from transformers.cache_utils import Cache
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
 
 from glaswap.layers.gla_attention import MODES, GLAAttention, RMSNorm, rope_inv_freq
+from glaswap.layers.softmax_attention import KVBuffer
 from glaswap.models.configuration_glaswap import GLASwapConfig
+from glaswap.models.gla_options import parse_softmax_layers
 
 # The transformers releases (major, minor), inclusive, this code is tested with. A saved folder
 # is used without glaswap's install pins, so the code itself says when it runs outside them.
@@ -93,13 +96,15 @@ def positions_from_mask(attention_mask, past, T):
 
 
 class GLASwapCache(Cache):
-    """Recurrent state per layer ([B, state heads, K, V] float32; the state heads are the KV
-    heads unless state_heads="query"), the number of tokens seen and, for hybrid layers
-    (config.window), a fixed-size buffer per layer: the last `window` tokens' keys and values
-    and the first `sinks` tokens' (hybrid_cache.HybridBuffers).
+    """Recurrent state per GLA layer ([B, state heads, K, V] float32; the state heads are the
+    KV heads unless state_heads="query"), the number of tokens seen, for hybrid layers
+    (config.window) a fixed-size buffer per layer: the last `window` tokens' keys and values
+    and the first `sinks` tokens' (hybrid_cache.HybridBuffers), and for the softmax layers of
+    a mixed model (config.softmax_layers) a KV cache each (softmax_attention.KVBuffer), with a
+    per-row mask of which keys are real tokens, not padding.
 
-    Neither grows with the context: this is the whole cache. transformers'
-    `Cache.get_seq_length()` raises when every layer is linear, so the count is kept here.
+    Only the softmax layers' KV grows with the context. transformers' `Cache.get_seq_length()`
+    raises when every layer is linear, so the count is kept here.
     """
 
     is_compileable = False
@@ -108,7 +113,11 @@ class GLASwapCache(Cache):
         super().__init__(layers=[])
         self.states = [None] * num_layers
         self.windows = [None] * num_layers
+        self.kv = [None] * num_layers
         self.seen_tokens = 0
+        # Set only on a captured decode graph's own cache (decode_graph): the slot its softmax
+        # layers write the new token to, a device tensor, so the graph replays at fixed shapes.
+        self.kv_write_at = None
 
     def recurrent_state(self, layer_idx):
         return self.states[layer_idx]
@@ -124,10 +133,19 @@ class GLASwapCache(Cache):
             self.windows.append(None)
         self.windows[layer_idx] = buffers
 
+    def kv_buffer(self, layer_idx) -> KVBuffer | None:
+        return self.kv[layer_idx] if layer_idx < len(self.kv) else None
+
+    def set_kv_buffer(self, layer_idx, buffer: KVBuffer):
+        while len(self.kv) <= layer_idx:
+            self.kv.append(None)
+        self.kv[layer_idx] = buffer
+
     def _map_batch(self, fn):
         """Apply fn to every per-row tensor (the batch is dimension 0 of each)."""
         self.states = [fn(s) if s is not None else None for s in self.states]
         self.windows = [w.map(fn) if w is not None else None for w in self.windows]
+        self.kv = [b.map(fn) if b is not None else None for b in self.kv]
 
     def get_seq_length(self, layer_idx=0):
         return self.seen_tokens
@@ -137,11 +155,12 @@ class GLASwapCache(Cache):
 
     @property
     def batch_size(self):
-        return next((s.shape[0] for s in self.states if s is not None), -1)
+        return next((t.shape[0] for t in self.states + [b.keys if b is not None else None for b in self.kv]
+                     if t is not None), -1)
 
     @property
     def is_croppable(self):
-        return False  # a recurrent state cannot be rolled back to an earlier token
+        return False  # a recurrent state cannot be rolled back to an earlier token (a KV cache could)
 
     def crop(self, tokens_to_remove):
         if tokens_to_remove:
@@ -161,6 +180,7 @@ class GLASwapCache(Cache):
     def reset(self):
         self.states = [None] * len(self.states)
         self.windows = [None] * len(self.states)
+        self.kv = [None] * len(self.states)
         self.seen_tokens = 0
 
     def __len__(self):
@@ -304,8 +324,9 @@ class GLASwapModel(GLASwapPreTrainedModel):
         position_embeddings = self.rotary_emb(inputs_embeds, position_ids)
         if past_key_values is not None and T == 1 and not torch.is_grad_enabled():
             # A decode step: the new token is never padding (generate() appends a 1 for every
-            # row) and earlier padding never reached the state, so the mask is not needed;
-            # skipping the check below also saves a host-device sync per token.
+            # row), earlier padding never reached the state, and a softmax layer's KV cache
+            # marks its padded keys itself, so the mask is not needed; skipping the check below
+            # also saves a host-device sync per token.
             attention_mask = None
         elif attention_mask is not None and bool(attention_mask.all()):
             attention_mask = None  # no padding: skip the masking work
@@ -383,11 +404,29 @@ class GLASwapForCausalLM(GLASwapPreTrainedModel, GenerationMixin):
                 layer.self_attn.mode = m
 
     def new_parameter_names(self):
-        """Names of the parameters conversion added (gates, feature maps)."""
+        """Names of the parameters conversion added (gates, feature maps); softmax layers have none."""
         names = []
         for i, layer in enumerate(self.model.layers):
             names += [f"model.layers.{i}.self_attn.{n}" for n in layer.self_attn.new_parameter_names()]
         return names
+
+    def keep_softmax_layers(self, layers) -> list[str]:
+        """Turn the GLA layers `layers` (indices from 0) into softmax layers in place: their
+        gates, feature maps and window mix are deleted, and config.softmax_layers becomes the
+        sorted union of the layers it held and these. Returns the names of the deleted
+        parameters (as new_parameter_names gave them), for the caller to drop from its sets of
+        trained parameters and from any optimizer holding them.
+
+        Works on the plain model and after peft has attached LoRA in place (get_peft_model):
+        LoRA wraps only the teacher's projections, which stay, and a modules_to_save wrapper
+        around a deleted module goes with it. Call it before the model is sharded (FSDP) or
+        compiled, and before any optimizer is built over the deleted parameters."""
+        chosen = parse_softmax_layers(list(layers), self.config.num_hidden_layers)
+        before = set(self.new_parameter_names())
+        for i in chosen:
+            self.model.layers[i].self_attn.make_softmax()
+        self.config.softmax_layers = sorted(set(self.config.softmax_layers) | set(chosen))
+        return sorted(before - set(self.new_parameter_names()))
 
     def forward(self, input_ids=None, attention_mask=None, position_ids=None, past_key_values=None,
                 inputs_embeds=None, labels=None, use_cache=None, logits_to_keep=0, cu_seqlens=None,
