@@ -66,6 +66,19 @@ def test_the_planted_layer_ranks_first(copier):
     assert not lm.training and all(layer.self_attn.mode == "gla" for layer in lm.model.layers)
 
 
+def test_reusing_the_lower_layers_changes_no_figure(monkeypatch):
+    """Each pass takes the layers below the restored one from the all-GLA pass: the same KL
+    as running every layer again."""
+    lm = _planted(copier=1, options={"window": 8})
+    blocks = _blocks([40, 24] * 3, 64)
+    fast = S.rank_layers(lm, blocks, 3, 2, torch.device("cpu"), torch.float32)
+    monkeypatch.setattr(S, "_reuse_below", lambda *_args: S.contextlib.nullcontext())
+    full = S.rank_layers(lm, blocks, 3, 2, torch.device("cpu"), torch.float32)
+    assert [r["kl"] for r in fast["layers"]] == [r["kl"] for r in full["layers"]]
+    assert fast["baseline_kl"] == full["baseline_kl"] and fast["tokens"] == full["tokens"] > 0
+    assert all("forward" not in vars(m) for m in lm.model.layers)
+
+
 def test_positions_are_counted_within_documents():
     class Config:
         window, sinks = 4, 2
@@ -94,7 +107,8 @@ def test_the_budget_keeps_the_selection_under_a_fifth_of_the_recipe():
     n = S.sequences_for_budget(demo, num_layers=30)
     s1, s2 = demo.stage1, demo.stage2
     train = (s1.steps * s1.batch_size + s2.steps * s2.batch_size) * S.TRAIN_PASSES
-    assert 1 <= n and (30 + 2) * n / ((30 + 2) * n + train) <= S.SHARE
+    cost = S.selection_passes(30) * n
+    assert 1 <= n and cost / (cost + train) <= S.SHARE
     gpu = load_recipe("smollm2-135m")
     assert S.sequences_for_budget(gpu, num_layers=30) == S.MAX_SEQUENCES
     short = load_recipe("smollm2-135m-demo", ["stage1.steps=1", "stage2.steps=0"])

@@ -15,7 +15,9 @@ blocks are shorter. Recall beyond the window is what the kept layers are for, an
 a hybrid layer already attends exactly. The text is the recipe's evaluation data (held out
 from training), in blocks of data.seq_len; the blocks with the most such positions are
 used. The teacher (softmax in every layer, adapters off) runs once; its final hidden states
-are kept and the logits of both models are made a chunk at a time.
+are kept and the logits of both models are made a chunk at a time. Layers below the restored
+one are GLA in that pass as in the all-GLA one, so they hand back the all-GLA pass's outputs
+instead of running again: the passes cost about half the layers each.
 
 The run folder gets ranking.json (the record a resumed run reuses, written last and
 atomically) and ranking.png (the drop per layer, the kept ones highlighted).
@@ -24,6 +26,7 @@ atomically) and ranking.png (the drop per layer, the kept ones highlighted).
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib.util
 import json
 import math
@@ -56,14 +59,19 @@ def counted_from(config, seq_len: int) -> int:
     return max(window + sinks, min(MIN_POSITION, seq_len // 2))
 
 
+def selection_passes(num_layers: int) -> float:
+    """Whole forward passes' worth of work per block: the teacher's, the all-GLA student's,
+    and one per layer from that layer up."""
+    return 2 + (num_layers + 1) / 2
+
+
 def sequences_for_budget(recipe, num_layers: int, world: int = 1) -> int:
     """How many blocks of data.seq_len the selection scores: as many as keep its forward
-    passes (the teacher's, the all-GLA student's and one per layer) within SHARE of the
-    recipe's time, between 1 and MAX_SEQUENCES. Training's blocks are counted over all
-    processes, the selection's are shared among them."""
+    passes within SHARE of the recipe's time, between 1 and MAX_SEQUENCES. Training's blocks
+    are counted over all processes, the selection's are shared among them."""
     s1, s2 = recipe.stage1, recipe.stage2
     train_blocks = (s1.steps * s1.batch_size * s1.grad_accum + s2.steps * s2.batch_size * s2.grad_accum) * world
-    allowed = SHARE / (1 - SHARE) * TRAIN_PASSES * train_blocks / (num_layers + 2)
+    allowed = SHARE / (1 - SHARE) * TRAIN_PASSES * train_blocks / selection_passes(num_layers)
     return int(min(MAX_SEQUENCES, max(1, math.floor(allowed))))
 
 
@@ -97,6 +105,35 @@ def _softmax_in(lm, layer: int | None):
         yield
 
 
+def _stored(output, *_args, **_kwargs):
+    """A decoder layer's forward that hands back an output computed before (no transfer loss)."""
+    return output, None
+
+
+@contextlib.contextmanager
+def _reuse_below(lm, layer: int, outputs: list):
+    """Layers below `layer` return `outputs` (theirs in the all-GLA pass) without running."""
+    below = list(lm.model.layers)[:layer]
+    for module, out in zip(below, outputs):
+        module.forward = functools.partial(_stored, out)
+    try:
+        yield
+    finally:
+        for module in below:
+            del module.forward   # the class's forward again
+
+
+@contextlib.contextmanager
+def _record_outputs(lm, outputs: list):
+    """Append each decoder layer's output hidden states to `outputs` as the model runs."""
+    hooks = [m.register_forward_hook(lambda _m, _args, out: outputs.append(out[0])) for m in lm.model.layers]
+    try:
+        yield
+    finally:
+        for h in hooks:
+            h.remove()
+
+
 @torch.no_grad()
 def rank_layers(lm, blocks, n_sequences: int, batch_size: int, device, dtype, dist=None,
                 chunk_tokens: int = 4096) -> dict:
@@ -126,10 +163,13 @@ def rank_layers(lm, blocks, n_sequences: int, batch_size: int, device, dtype, di
         with _autocast(device, dtype):
             with adapters_off(lm), lm.attention_mode("softmax"):
                 h_t = lm.model(input_ids=ids, cu_seqlens=cu, use_cache=False).last_hidden_state.flatten(0, 1)[keep]
+            outputs = []
             for j, layer in enumerate([None, *range(layers)]):
-                with _softmax_in(lm, layer):
+                with _softmax_in(lm, layer), (_record_outputs(lm, outputs) if layer is None
+                                              else _reuse_below(lm, layer, outputs)):
                     h_s = lm.model(input_ids=ids, cu_seqlens=cu, use_cache=False).last_hidden_state
                 sums[j] += kl_sum(h_s.flatten(0, 1)[keep], h_t, lm.lm_head.weight, chunk_tokens).double()
+            del outputs
         sums[-1] += keep.sum()
     if was_training:
         lm.train()
