@@ -16,7 +16,7 @@ from pathlib import Path
 import yaml
 
 from glaswap.errors import GlaswapError
-from glaswap.models.gla_options import GLA_OPTIONS, check_gla_options
+from glaswap.models.gla_options import GLA_OPTIONS, check_gla_options, parse_auto
 
 
 @dataclass
@@ -290,8 +290,6 @@ def _check_values(r: Recipe):
 def auto_softmax_layers(options: dict) -> int | None:
     """N of `softmax_layers: auto:N` in GLA options (distill chooses N layers by measurement),
     None for an explicit list or none; ValueError for a malformed auto value."""
-    from glaswap.models.gla_options import parse_auto
-
     value = options.get("softmax_layers")
     return parse_auto(value) if isinstance(value, str) else None
 
