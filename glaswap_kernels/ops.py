@@ -7,7 +7,8 @@ else. Both forms take and return the same shapes; see `gla.reference` for the co
 combination with the GLA state's output) dispatch the same way; see `window.reference` for their
 contracts. So does `rope`, the teacher's rotation of q and k for the window part.
 `decode_step` (one generated token for a batch) and `window_over_buffer` (the window part
-of a cached hybrid layer's new tokens) are the hybrid cache's two steps.
+of a cached hybrid layer's new tokens) are the hybrid cache's two steps; a prompt read after a
+full cache takes `window_over_full_buffer`, the window kernel itself.
 """
 
 from __future__ import annotations
@@ -131,6 +132,27 @@ def window_over_buffer(q_r, q_s, k, v, key_pos, sink_k, sink_v, sink_pos, pos, w
                          f"tensors or none; got k {tuple(k.shape)}, window {window}, T {q_r.shape[1]}")
     return window_over_buffer_torch(q_r, q_s, k, v, key_pos, sink_k, sink_v, sink_pos, pos, window, scale,
                                     mem_k, mem_v, mem_pos, mem_from, block)
+
+
+def window_over_full_buffer(q_r, q_s, k, v, sink_k, sink_v, window, sinks, scale, backend="auto"):
+    """window_over_buffer's (o, lse) where no sparse cache is kept and the cache is full and in
+    order: its sinks hold positions 0 .. S-1, its window buffer the W positions right before the
+    new tokens, and nothing is padded. k, v [B, W + T, Hkv, D] (the window buffer, then the new
+    tokens) and the sinks as window_over_buffer takes them. Then it is the window kernel over
+    [sinks, window buffer, new tokens] with the prefix's queries left out: every new query lies
+    more than W rows after the sinks, so it scores them with q_s and their turned keys, and sees
+    the last W rows (itself included), exactly window_over_buffer's contract."""
+    B, T = q_r.shape[:2]
+    prefix = sinks + window
+    if k.shape[1] != window + T or sink_k.shape[1] != sinks:
+        raise ValueError(f"window_over_full_buffer wants k [B, window + T, Hkv, D] and sink_k [B, sinks, Hkv, D]; got "
+                         f"k {tuple(k.shape)}, sink_k {tuple(sink_k.shape)}, window {window}, sinks {sinks}, T {T}")
+    zeros = q_r.new_zeros(B, prefix, *q_r.shape[2:])   # the prefix's queries: their rows are dropped
+    keys, values = torch.cat([sink_k, k], 1), torch.cat([sink_v, v], 1)
+    q_sink = torch.cat([zeros, q_s], 1) if sinks else None
+    o, lse = window_attention(torch.cat([zeros, q_r], 1), keys, values, window, sinks, scale=scale,
+                              q_sink=q_sink, k_sink=keys if sinks else None, backend=backend)
+    return o[:, prefix:], lse[:, prefix:]
 
 
 def window_attention(q, k, v, window, sinks=0, scale=None, cu_seqlens=None, q_sink=None, k_sink=None,

@@ -131,3 +131,23 @@ def test_window_over_buffer_checks_its_shapes():
         ops.window_over_buffer(**{**x, "window": 5})
     with pytest.raises(ValueError, match="sparse"):
         ops.window_over_buffer(**{**x, "mem_from": None})
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("B,T,H,Hkv,D,W,S", [
+    (2, 7, 4, 2, 48, 3, 3),       # GQA
+    (1, 5, 2, 2, 80, 4, 0),       # no sinks
+    (1, 1, 2, 1, 16, 2, 1),       # one new token
+])
+def test_window_over_full_buffer_is_window_over_buffer(backend, B, T, H, Hkv, D, W, S):
+    """After a full cache (sinks at 0 .. S-1, the window right before the new tokens) the window
+    kernel over [sinks, window, new] gives what the buffer read gives."""
+    x = _buffer_inputs(B, T, H, Hkv, D, W, S, 0, seed=3)
+    start = torch.tensor([W + S + 4, W + S + 11][:B])
+    x["pos"] = start[:, None] + torch.arange(T)
+    x["key_pos"] = torch.cat([start[:, None] - W + torch.arange(W), x["pos"]], 1)
+    x["sink_pos"] = torch.arange(S).expand(B, S).clone()
+    want_o, want_lse = ops.window_over_buffer(**x)
+    o, lse = ops.window_over_full_buffer(x["q_r"], x["q_s"], x["k"], x["v"], x["sink_k"], x["sink_v"], W, S,
+                                         x["scale"], backend=backend)
+    assert rel(o, want_o) < 1e-5 and rel(lse, want_lse) < 1e-5
