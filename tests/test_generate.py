@@ -694,3 +694,38 @@ def test_cli_sparse_cache(folders):
     result = _cli(folders["llama"], "--prompt", "the river", "--sparse-cache", "2")
     assert result.exit_code != 0 and "is pure GLA" in result.output and "--sparse-cache" in result.output
     assert "Traceback" not in result.output
+
+
+@pytest.mark.parametrize("variant", ["llama-window", "qwen3-window-mix"])
+def test_prompts_read_into_a_cache_take_the_window_kernel(folders, variant, monkeypatch):
+    """A prompt into an empty cache, and one after a full cache (chat turns), read through the
+    whole-sequence window kernel, never the buffer read, and give the whole-sequence logits
+    and the buffers a token-by-token read leaves."""
+    from glaswap.layers import hybrid_cache
+
+    model = _load(folders[variant])
+    ids = torch.tensor([[(7 * i + 3) % 120 + 1 for i in range(40)]])
+    cuts = [(0, 13), (13, 14), (14, 31), (31, 40)]          # a prompt, a decode step, two more prompts
+    with torch.no_grad():
+        whole = model(ids, use_cache=False).logits
+        slow = model(ids[:, :1], use_cache=True)
+        for t in range(1, ids.shape[1]):
+            slow = model(ids[:, t:t + 1], past_key_values=cache_of(slow), use_cache=True)
+        real = hybrid_cache.window_over_buffer
+
+        def decode_only(q_r, *args, **kwargs):
+            assert q_r.shape[1] == 1, "a prompt went through the buffer read"
+            return real(q_r, *args, **kwargs)
+
+        monkeypatch.setattr(hybrid_cache, "window_over_buffer", decode_only)
+        cache, logits = None, []
+        for a, b in cuts:
+            out = model(ids[:, a:b], past_key_values=cache, use_cache=True)
+            cache = cache_of(out)
+            logits.append(out.logits)
+    torch.testing.assert_close(torch.cat(logits, 1), whole, rtol=1e-4, atol=1e-4)
+    for mine, theirs in zip(cache.windows, cache_of(slow).windows):
+        for x, y in zip(mine.tensors(), theirs.tensors()):
+            torch.testing.assert_close(x, y, rtol=1e-4, atol=1e-4)
+    for x, y in zip(cache.states, cache_of(slow).states):
+        torch.testing.assert_close(x, y, rtol=1e-4, atol=1e-4)

@@ -22,7 +22,8 @@ from dataclasses import dataclass
 
 import torch
 
-from glaswap_kernels.ops import chunk_gla, decode_step, window_over_buffer, with_ones
+from glaswap_kernels.ops import chunk_gla, decode_step, window_attention, window_over_buffer, window_over_full_buffer, \
+    with_ones
 
 # A sparse cache chooses what it keeps once per this many new tokens: every key leaving the
 # window within a block is scored against the state as it stood at the block's start.
@@ -142,17 +143,37 @@ def stream(layer: StreamLayer, q, k, v, g, exact: ExactInputs, pos, buffers: Hyb
     window the cache keeps (`sparse_select`)."""
     T = q.shape[1]
     step = SPARSE_BLOCK if layer.sparse else T
+    order = _prompt_order(buffers, state, pos, layer.window, layer.sinks) if cached and T > 1 and not layer.sparse \
+        else None
     outs = []
     for a in range(0, T, step):
         part = slice(a, min(T, a + step))
         o, buffers, state = _stream_block(layer, q[:, part], k[:, part], v[:, part], g[:, part],
-                                          exact.rows(part), pos[:, part], buffers, state, cached)
+                                          exact.rows(part), pos[:, part], buffers, state, cached, order)
         outs.append(o)
     return (outs[0] if len(outs) == 1 else torch.cat(outs, 1)), buffers, state
 
 
-def _stream_block(layer, q, k, v, g, exact, pos, before, state, cached):
-    """One stretch of new tokens: (o, buffers after, state after)."""
+def _prompt_order(buffers: HybridBuffers, state, pos, W, S):
+    """How a prompt (no sparse cache) stands to the cache, for the window part's fast paths:
+    "empty" (nothing read yet, positions 0 .. T-1), "full" (sinks at 0 .. S-1, the window buffer
+    the W positions right before the prompt, which follows on in order), else None (padding,
+    a cache still filling up, positions out of order). One host sync per prompt."""
+    B, T = pos.shape
+    first = pos[:, :1]
+    in_order = (pos == first + torch.arange(T, device=pos.device)).all()
+    win, sinks = buffers.window.positions, buffers.sinks.positions
+    empty = (first == 0).all() & (win < 0).all() & (sinks < 0).all()
+    full = (first >= W + S).all() & (win == first - W + torch.arange(W, device=pos.device)).all() \
+        & (sinks == torch.arange(S, device=pos.device)).all()
+    in_order, empty, full = torch.stack([in_order, empty, full]).tolist()
+    if not in_order:
+        return None
+    return "empty" if empty and state is None else "full" if full else None
+
+
+def _stream_block(layer, q, k, v, g, exact, pos, before, state, cached, order=None):
+    """One stretch of new tokens: (o, buffers after, state after). order: _prompt_order's."""
     W, S = layer.window, layer.sinks
     T = q.shape[1]
     win = before.window
@@ -181,6 +202,14 @@ def _stream_block(layer, q, k, v, g, exact, pos, before, state, cached):
                                  output_final_state=cached, backend=layer.backend, normalizer=True)
     after = HybridBuffers(_last_rows(keys, values, feature_keys, key_pos, turned, W),
                           _sinks_after(before.sinks, exact, pos, S), sparse)
+    if order == "empty":     # the prompt alone: the whole-sequence window kernel
+        o_win, lse = window_attention(exact.q_rotated, exact.k_rotated, exact.values, W, S, scale=layer.softmax_scale,
+                                      q_sink=exact.q_plain, k_sink=exact.k_turned, backend=layer.backend)
+        return layer.combine(o_win, lse, o_lin), after, state
+    if order == "full":      # the window kernel over [sinks, window buffer, prompt]
+        o_win, lse = window_over_full_buffer(exact.q_rotated, exact.q_plain, keys, values, before.sinks.keys,
+                                             before.sinks.values, W, S, layer.softmax_scale, layer.backend)
+        return layer.combine(o_win, lse, o_lin), after, state
     # the sinks among the new tokens count too (each only for queries W or more later)
     o_win, lse = window_over_buffer(
         exact.q_rotated, exact.q_plain, keys, values, key_pos, after.sinks.keys, after.sinks.values,
