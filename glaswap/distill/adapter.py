@@ -59,6 +59,9 @@ def base_record(source: str, meta: dict, out) -> dict:
         opt = GLA_OPTIONS[key]
         if opt.type is bool and opt.flag:
             cmd.append(opt.flags[0] if value else opt.flags[1])
+        elif opt.flag and opt.type is list:   # softmax_layers: 3,9,15, left out when empty
+            if value:
+                cmd += [opt.flag, ",".join(map(str, value))]
         elif opt.flag:
             cmd += [opt.flag, str(value)]
         elif key != "gla_backend" and value != opt.default:   # the backend picks kernels, not weights

@@ -151,7 +151,11 @@ def kl_sum(h_student, h_teacher, lm_head_weight, chunk_tokens=4096) -> torch.Ten
 def transfer_step(lm, batch):
     """Stage 1: mean over layers of the MSE between GLA and softmax attention outputs."""
     out = lm.model(input_ids=batch["input_ids"], cu_seqlens=batch["cu_seqlens"], use_cache=False)
-    return torch.stack(out.transfer_losses).mean()
+    losses = getattr(out, "transfer_losses", None)
+    if not losses:
+        raise GlaswapError("every layer is the teacher's softmax attention, so attention transfer has nothing to "
+                           "train; set stage1.steps: 0")
+    return torch.stack(losses).mean()
 
 
 def kd_step(lm, batch, cfg):
