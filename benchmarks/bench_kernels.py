@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-HBM_BYTES_PER_S = 4.3e12          # an H200's copy bandwidth: the floor's bytes per second (docs/kernels.md)
+DRY_RUN_BYTES_PER_S = 4.3e12      # the floor's bandwidth in a --dry-run (no GPU to measure)
 DRY_RUN = False                   # --dry-run: CPU, Triton interpreter, tiny shapes
 FLA_TIMEOUT = 900                 # seconds per fla release (--fla-timeout)
 # The fwd+bwd ms, bf16 on one H200, of the fused-chunk kernel glaswap's kernels started from:
@@ -99,6 +99,22 @@ def shapes(quick: bool):
     out.append(dict(name="1x16384 H32/kv8 D64 +norm", B=1, T=16384, H=32, Hkv=8, K=64, V=64,
                     seqs=None, norm=True))
     return out
+
+
+def copy_bandwidth(device) -> float:
+    """This device's memory bandwidth in bytes per second, as a large device-to-device copy
+    reaches it (bytes read + bytes written over the median time): the floor's rate, measured
+    rather than assumed, since devices differ (an H100 SXM reads 3.35 TB/s, an H200 4.8)."""
+    if device != "cuda":
+        return DRY_RUN_BYTES_PER_S
+    import triton.testing
+
+    src = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    ms = triton.testing.do_bench(lambda: dst.copy_(src), warmup=25, rep=200)
+    del src, dst
+    torch.cuda.empty_cache()
+    return 2 * (1 << 30) / (ms * 1e-3)
 
 
 def floor_bytes(s, backward: bool) -> int:
@@ -473,8 +489,9 @@ def main(argv=None):
     OVERRIDES.update(_parse_sets(args.set))
     import triton
     device_name = torch.cuda.get_device_name() if device == "cuda" else "cpu (dry run)"
+    bandwidth = copy_bandwidth(device)
     print(f"# {device_name} | torch {torch.__version__} | triton "
-          f"{triton.__version__} | overrides {OVERRIDES or '-'}")
+          f"{triton.__version__} | overrides {OVERRIDES or '-'} | copy bandwidth {bandwidth / 1e12:.2f} TB/s")
 
     flas = [r for r in (run_fla(spec, args.quick, kinds, args.match) for spec in args.compare_fla or [])
             if r]
@@ -485,8 +502,8 @@ def main(argv=None):
     for s in with_gates(shapes(args.quick), kinds):
         if args.match and not any(m in s["name"] for m in args.match):
             continue
-        row = {"shape": s["name"], "floor_fwd_ms": floor_bytes(s, False) / HBM_BYTES_PER_S * 1e3,
-               "floor_fb_ms": floor_bytes(s, True) / HBM_BYTES_PER_S * 1e3}
+        row = {"shape": s["name"], "floor_fwd_ms": floor_bytes(s, False) / bandwidth * 1e3,
+               "floor_fb_ms": floor_bytes(s, True) / bandwidth * 1e3}
         if args.only != "sdpa":
             if not args.no_check:
                 ok, errs = check(s, gla_torch, gla_triton, device)
@@ -528,13 +545,14 @@ def main(argv=None):
                      f"{_fmt(fb / gb if fb and gb else None, '6.2f')}")
         print(line)
     print("# times: median ms (triton.testing.do_bench, 3 rotating input sets); x sdpa = SDPA "
-          "time / glaswap time; floor = memory-traffic floor at 4.3 TB/s / glaswap time; "
+          "time / glaswap time; floor = memory-traffic floor at the "
+          f"measured copy bandwidth ({bandwidth / 1e12:.2f} TB/s) / glaswap time; "
           "x seed = the seed README's f+b ms (H200) / glaswap f+b (target >= 3)")
     for i, fla in enumerate(flas):
         print(f"# fla{i} columns: {fla['label']}; x fla = fla f+b / glaswap f+b")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"device": device_name, "torch": torch.__version__,
+            json.dump({"device": device_name, "copy_bytes_per_s": bandwidth, "torch": torch.__version__,
                        "triton": triton.__version__, "overrides": OVERRIDES,
                        "fla": [f["label"] for f in flas], "rows": rows}, f, indent=1)
     return 0 if all(r.get("check", "pass") == "pass" for r in rows) else 1
