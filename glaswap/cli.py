@@ -43,7 +43,7 @@ def _end_torchrun_worker(code: int):
     process dies of SIGABRT ("terminate called without an active exception") after its work
     was written. Everything is saved and the process group closed by now, so only the standard
     streams need flushing. One process: no-op."""
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+    if os.environ.get("WORLD_SIZE", "1").strip() not in ("", "0", "1"):
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(code)
@@ -128,7 +128,9 @@ def convert(source, out, dtype, max_shard_size, seed, report, force, trust_remot
 @click.option("--resume", is_flag=True, help="Continue an interrupted run from its last checkpoint.")
 @click.option("--force", is_flag=True, help="Replace an existing output folder and unfinished run.")
 @click.option("--stop-after", metavar="STAGE:STEP", default=None,
-              help="Stop like Ctrl-C after that step (checkpoint written), e.g. 1:50; resume later.")
+              help="Stop like Ctrl-C right after that step (checkpoint written), e.g. 1:50; resume later. "
+                   "STAGE is 1 or 2, STEP from 1 to that stage's steps (its last: stop before the stage's "
+                   "evaluation); anything else is refused.")
 @click.option("--trust-remote-code", is_flag=True, help=_TRUST_HELP)
 @_friendly
 def distill(recipe_path, overrides, out, resume, force, stop_after, trust_remote_code):
@@ -145,7 +147,7 @@ def distill(recipe_path, overrides, out, resume, force, stop_after, trust_remote
         try:
             stage, step = (int(x) for x in stop_after.split(":"))
             stop = (stage, step)
-        except ValueError:
+        except ValueError:   # not two integers
             raise GlaswapError(f"--stop-after {stop_after!r}: write STAGE:STEP, e.g. 1:50")
     try:
         run(recipe, out=out, resume=resume, force=force, log=click.echo, stop_after=stop,
@@ -192,13 +194,22 @@ def recipes_cp(name, file, force):
     dest = Path(file)
     if dest.is_dir():
         dest = dest / f"{name}.yaml"
+    if dest.is_symlink() and not dest.exists() and not force:   # exists() follows the link
+        raise GlaswapError(f"{dest} is a symbolic link (to a file that does not exist); choose another FILE, "
+                           f"or pass --force to replace the link")
     if dest.exists() and not force:
         raise GlaswapError(f"{dest} already exists; choose another FILE, or pass --force to replace it")
+    if dest.is_dir():
+        raise GlaswapError(f"{dest} is a folder; choose another FILE")
     text = shipped[name].read_text()
     # the header's first line is the command that runs the recipe: make it run this copy
     first, _, rest = text.partition("\n")
     text = first.replace(f"--recipe {name}", f"--recipe {dest}", 1) + "\n" + rest
-    atomic_write(dest, lambda tmp: tmp.write_text(text))
+    try:
+        atomic_write(dest, lambda tmp: tmp.write_text(text))
+    except OSError as e:
+        raise GlaswapError(f"cannot write {dest} ({e.strerror or type(e).__name__}); choose a FILE in a folder "
+                           f"you can write")
     click.echo(f"wrote {dest}; run it with: glaswap distill --recipe {dest}")
 
 
@@ -298,7 +309,7 @@ def passkey(model, lengths, depths, trials, teacher, no_teacher, seed, filler, s
     from glaswap.passkey import parse_depths, passkey as run_passkey
     from glaswap.runtime import parse_contexts
 
-    run_passkey(model, lengths=parse_contexts(lengths), depths=parse_depths(depths), trials=trials,
+    run_passkey(model, lengths=parse_contexts(lengths, "--lengths", "length"), depths=parse_depths(depths), trials=trials,
                 teacher=None if no_teacher else teacher, seed=seed, out=out, device=device, dtype=dtype,
                 trust_remote_code=trust_remote_code, filler=filler, sparse_cache=sparse_cache, log=click.echo)
 
@@ -307,7 +318,7 @@ def passkey(model, lengths, depths, trials, teacher, no_teacher, seed, filler, s
 @click.argument("model", type=click.Path())
 @click.option("--prompt", default=None, help="Text to continue.")
 @click.option("--max-new-tokens", type=click.IntRange(1), default=128, show_default=True)
-@click.option("--temperature", type=click.FloatRange(0), default=0.0, show_default=True, help="0 is greedy.")
+@click.option("--temperature", type=float, default=0.0, show_default=True, help="0 is greedy.")
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed for sampling.")
 @click.option("--graph", type=click.Choice(["auto", "on", "off"]), default="auto", show_default=True,
               help="Replay each decode step from a CUDA graph (auto: on CUDA).")

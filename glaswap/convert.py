@@ -23,7 +23,7 @@ from glaswap.layers.gla_attention import GLAAttention
 from glaswap.models.configuration_glaswap import GLASwapConfig
 from glaswap.models.gla_options import check_gla_options, parse_auto, parse_softmax_layers
 from glaswap.models.modeling_glaswap import GLASwapForCausalLM
-from glaswap.runtime import DTYPES, dtype_named, versions
+from glaswap.runtime import DTYPES, dtype_named, source_fingerprint, versions
 from glaswap.sources import Source, resolve_source
 
 SUPPORTED = ("llama", "mistral", "qwen2", "qwen3")
@@ -39,7 +39,7 @@ def glaswap_config(src: dict, options: dict | None = None) -> GLASwapConfig:
         raise GlaswapError(f"unsupported architecture {model_type!r}; glaswap converts "
                            f"{', '.join(SUPPORTED)} checkpoints")
     options = dict(options or {})
-    _check_options(options)
+    _check_options(options, src.get("max_position_embeddings", 4096))
     if "softmax_layers" in options:
         try:
             options["softmax_layers"] = parse_softmax_layers(options["softmax_layers"], src["num_hidden_layers"])
@@ -78,11 +78,12 @@ def glaswap_config(src: dict, options: dict | None = None) -> GLASwapConfig:
         eos_token_id=src.get("eos_token_id"), source_model_type=model_type, **options)
 
 
-def _check_options(options: dict):
+def _check_options(options: dict, max_positions=None):
     """check_gla_options, its message as a GlaswapError (before anything is read or written).
-    softmax_layers auto:N, which recipes take, is refused here: convert cannot measure."""
+    softmax_layers auto:N, which recipes take, is refused here: convert cannot measure.
+    max_positions: the teacher's max_position_embeddings, once its config is read."""
     try:
-        check_gla_options(options)
+        check_gla_options(options, max_positions if isinstance(max_positions, int) else None)
         if parse_auto(options.get("softmax_layers")) is not None:
             parse_softmax_layers(options["softmax_layers"], 0)      # raises, saying that distill chooses
     except ValueError as e:
@@ -188,10 +189,12 @@ def convert(source: str, out, *, options: dict | None = None, force: bool = Fals
             config.dtype = out_dtype
         config.save_pretrained(tmp)
         code = write_model_code(tmp)
-        _write_tokenizer(src, tmp)
+        _write_tokenizer(src, tmp, trust_remote_code)
         meta = {
             "format": 1,
-            "source": src.describe(),
+            # the fingerprint lets eval and the others tell the teacher later found at this
+            # path from the one converted
+            "source": dict(src.describe(), fingerprint=source_fingerprint(src.kind, src.path)),
             "options": config.gla_options(),
             "dtype": str(out_dtype or new_dtype).replace("torch.", ""),
             "seed": seed,
@@ -209,11 +212,18 @@ def convert(source: str, out, *, options: dict | None = None, force: bool = Fals
     return meta
 
 
-def _write_tokenizer(src: Source, folder: Path):
+def _write_tokenizer(src: Source, folder: Path, trust_remote_code: bool = False):
+    """The source's tokenizer files; with trust_remote_code also the Python modules in the
+    source folder that its tokenizer_config.json auto_map names, without which the copy would
+    not load."""
     if src.kind == "folder":
         for name in TOKENIZER_FILES:
             if (src.path / name).is_file():
                 shutil.copyfile(src.path / name, folder / name)
+        if trust_remote_code:
+            for rel in _tokenizer_code_files(src.path):
+                (folder / rel).parent.mkdir(parents=True, exist_ok=True)
+                shutil.copyfile(src.path / rel, folder / rel)
         return
     from transformers import AutoTokenizer
 
@@ -222,6 +232,29 @@ def _write_tokenizer(src: Source, folder: Path):
     except Exception as e:
         raise GlaswapError(f"could not read the tokenizer from {src.path} ({type(e).__name__}); check the file")
     tok.save_pretrained(str(folder))
+
+
+def _tokenizer_code_files(folder: Path) -> list[str]:
+    """The files (relative to `folder`) of the modules that tokenizer_config.json's auto_map
+    names as "module.Class" in the folder itself; a class of another repository
+    ("repo--module.Class") is not the folder's to copy."""
+    try:
+        auto_map = json.loads((folder / "tokenizer_config.json").read_text()).get("auto_map")
+    except (OSError, ValueError, AttributeError):
+        return []
+    if not isinstance(auto_map, dict):
+        return []
+    out = []
+    for value in auto_map.values():
+        for ref in value if isinstance(value, (list, tuple)) else [value]:
+            if not isinstance(ref, str) or "--" in ref or "." not in ref:
+                continue
+            rel = ref.rsplit(".", 1)[0].replace(".", "/") + ".py"
+            path = folder / rel
+            if ".." not in Path(rel).parts and path.is_file() and path.resolve().is_relative_to(folder.resolve()) \
+                    and rel not in out:
+                out.append(rel)
+    return out
 
 
 def _step0_report(folder: Path, config: GLASwapConfig, log, trust_remote_code: bool) -> dict:

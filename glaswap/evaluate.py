@@ -264,13 +264,14 @@ def evaluate(model_dir, texts, teacher: str = "auto", context: int = 512, stride
     if first_bin < 1:
         raise GlaswapError(f"--first-bin {first_bin} must be at least 1 token")
     contents = [(p, read_text_file(p)) for p in texts]   # all bad input is reported before any loading
+    out = Path(out) if out is not None else model_dir / "eval"
 
     def documents(tok):
         return [Document(p, text, tok, max_tokens, context, stride, bos) for p, text in contents]
 
     started = time.time()
     run = open_model(model_dir, device, dtype, teacher, sparse_cache, trust_remote_code=trust_remote_code,
-                     before_load=documents, log=log)
+                     before_load=documents, writes=out, log=log)
     dev, dt, student, teacher_model, docs = run.device, run.dtype, run.student, run.teacher, run.prepared
     if dev.type == "cuda" and student.config.window and student.config.sparse_cache:
         from glaswap.decode_graph import enable_decode_graph
@@ -305,7 +306,6 @@ def evaluate(model_dir, texts, teacher: str = "auto", context: int = 512, stride
         "load_seconds": round(t0 - started, 2),
     }
     result["versions"] = versions()
-    out = Path(out) if out is not None else model_dir / "eval"
     name = _run_name(docs, context, stride, out) + ("-bos" if bos else "")
     has_plot = importlib.util.find_spec("matplotlib") is not None
     result["outputs"] = {"json": str(out / f"{name}.json"),

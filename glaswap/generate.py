@@ -8,6 +8,7 @@ from __future__ import annotations
 import gc
 import importlib.util
 import json
+import math
 import time
 from pathlib import Path
 
@@ -34,8 +35,8 @@ def generate_text(model_dir, prompt: str, max_new_tokens: int = 128, temperature
         raise GlaswapError("the prompt is empty; pass --prompt TEXT")
     if max_new_tokens < 1:
         raise GlaswapError(f"--max-new-tokens {max_new_tokens} must be at least 1")
-    if temperature < 0:
-        raise GlaswapError(f"--temperature {temperature} must be >= 0 (0 is greedy)")
+    if not (isinstance(temperature, (int, float)) and math.isfinite(temperature) and temperature >= 0):
+        raise GlaswapError(f"--temperature {temperature} must be a finite number >= 0 (0 is greedy)")
     use_graph = want_graph(graph, pick_device(device))
     run = open_model(model_dir, device, sparse_cache=sparse_cache, trust_remote_code=trust_remote_code, log=log)
     dev, tok, model = run.device, run.tokenizer, run.student
@@ -245,8 +246,10 @@ def bench_model(model_dir, teacher: str = "auto", contexts=None, batch_size: int
         raise GlaswapError("--batch-size and --new-tokens must be at least 1")
     if teacher == "self":
         raise GlaswapError("--teacher self has no KV cache to benchmark; pass auto, a PATH or none")
+    out = Path(out) if out is not None else Path(model_dir) / "eval"
     run = open_model(model_dir, device, dtype, teacher=None if teacher == "none" else teacher,
-                     sparse_cache=sparse_cache, tokenizer=False, trust_remote_code=trust_remote_code, log=log)
+                     sparse_cache=sparse_cache, tokenizer=False, trust_remote_code=trust_remote_code, writes=out,
+                     log=log)
     if contexts is None:
         contexts = DEFAULT_CONTEXTS if run.device.type == "cuda" else CPU_CONTEXTS
     dtype_name = str(run.dtype).replace("torch.", "")
@@ -254,7 +257,6 @@ def bench_model(model_dir, teacher: str = "auto", contexts=None, batch_size: int
     rows = bench_decode(run.student, run.teacher, contexts, batch_size, new_tokens, graph, log=log)
     extra = {"model": str(model_dir), "teacher": run.teacher_desc, "device": str(run.device), "dtype": dtype_name,
              "versions": versions()}
-    out = Path(out) if out is not None else Path(model_dir) / "eval"
     extra["outputs"] = write_bench(rows, out, f"{Path(model_dir).name}: decode, batch {batch_size}", extra)
     log(f"wrote {extra['outputs']['json']} and {extra['outputs']['png']}")
     return {"rows": rows, **extra}

@@ -151,10 +151,11 @@ def passkey(model_dir, lengths=(1024, 2048, 4096, 8192, 16384, 32768), depths=(0
     if trials < 1:
         raise GlaswapError(f"--trials {trials} must be at least 1")
     if not lengths or min(lengths) < 1:
-        raise GlaswapError("pass at least one length of 1 token or more")
+        raise GlaswapError("pass --lengths with at least one length of 1 token or more")
     model_dir = Path(model_dir)
     run = open_model(model_dir, device, dtype, teacher, sparse_cache, trust_remote_code=trust_remote_code,
-                     before_load=lambda tok: _filler_ids(tok, filler) if filler is not None else None, log=log)
+                     before_load=lambda tok: _filler_ids(tok, filler) if filler is not None else None,
+                     writes=Path(out) if out is not None else model_dir / "eval", log=log)
     dev, dt, tok, student, teacher_model = run.device, run.dtype, run.tokenizer, run.student, run.teacher
     t_desc, text_ids = run.teacher_desc, run.prepared
     if dev.type == "cuda":

@@ -5,6 +5,7 @@ every result."""
 from __future__ import annotations
 
 import errno
+import hashlib
 import json
 import os
 import platform
@@ -77,21 +78,55 @@ def load_student(model_dir, device, dtype, sparse_cache: int | None = None):
     this run (config.sparse_cache; None: as saved)."""
     from glaswap.models.modeling_glaswap import GLASwapForCausalLM
 
+    from glaswap.models.configuration_glaswap import GLASwapConfig
+    from glaswap.models.gla_options import position_bound_problem
+
     if sparse_cache is not None and sparse_cache < 0:
         raise GlaswapError(f"--sparse-cache {sparse_cache} must be >= 0 (0: none)")
-
     try:
-        model = GLASwapForCausalLM.from_pretrained(str(model_dir), dtype=dtype)
+        config = GLASwapConfig.from_pretrained(str(model_dir))
+    except ValueError as e:   # GLASwapConfig's own validation of the values
+        first = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise GlaswapError(f"{Path(model_dir) / 'config.json'} holds a value glaswap cannot use ({first}); "
+                           f"restore it, or convert the model again")
     except Exception as e:
         first = str(e).splitlines()[0] if str(e) else ""
         raise GlaswapError(f"{model_dir} could not be loaded ({type(e).__name__}: {first}); convert it again")
-    check_finite_weights(model, model_dir)
     if sparse_cache is not None:
-        if sparse_cache and not model.config.window:
+        if sparse_cache and not config.window:
             raise GlaswapError(f"{model_dir} is pure GLA: a sparse cache needs hybrid layers (convert with --window); "
                                f"drop --sparse-cache")
+        problem = position_bound_problem("--sparse-cache", sparse_cache, config.max_position_embeddings)
+        if problem:
+            raise GlaswapError(problem)
+    try:
+        model, info = GLASwapForCausalLM.from_pretrained(str(model_dir), config=config, dtype=dtype,
+                                                         output_loading_info=True)
+    except Exception as e:
+        first = str(e).splitlines()[0] if str(e) else ""
+        raise GlaswapError(f"{model_dir} could not be loaded ({type(e).__name__}: {first}); convert it again")
+    check_loaded_keys(info, model_dir)
+    check_finite_weights(model, model_dir)
+    if sparse_cache is not None:
         model.config.sparse_cache = sparse_cache
     return model.to(device).eval()
+
+
+def check_loaded_keys(info: dict, where):
+    """One line when the weights and config.json do not describe the same model: transformers
+    initialises a missing weight at random and drops an unexpected one, each with a warning
+    that glaswap mutes (a config.json of fewer layers than the weights would score a model cut
+    short)."""
+    missing, unexpected = sorted(info.get("missing_keys") or ()), sorted(info.get("unexpected_keys") or ())
+    if not missing and not unexpected:
+        return
+    parts = []
+    for what, keys in (("missing from the weights", missing), ("in the weights but not in config.json", unexpected)):
+        if keys:
+            more = f" and {len(keys) - 3} more" if len(keys) > 3 else ""
+            parts.append(f"{len(keys)} {what}: {', '.join(keys[:3])}{more}")
+    raise GlaswapError(f"{where}: config.json and the weights disagree ({'; '.join(parts)}); restore the "
+                       f"folder's config.json, or convert the model again")
 
 
 def check_finite_weights(model, where):
@@ -151,6 +186,7 @@ def teacher_source(model_dir, meta: dict, teacher: str):
         # where convert ran, and could name anything from here.
         if path.is_absolute() and path.exists():
             kind = "gguf" if path.is_file() else "folder"
+            check_fingerprint(recorded, kind, path)
             return kind, path, dict(recorded)
         if recorded["spec"] not in EMBEDDED and recorded.get("origin") != "hub":
             where = f"{path}, which no longer exists" if path.is_absolute() else f"as the relative path {path}"
@@ -161,12 +197,76 @@ def teacher_source(model_dir, meta: dict, teacher: str):
         except GlaswapError as e:
             raise GlaswapError(f"the source model recorded in glaswap.json is not available ({e}); "
                                f"pass --teacher PATH or --teacher self")
+        check_fingerprint(recorded, src.kind, src.path)
         return src.kind, src.path, src.describe()
     src = resolve_source(teacher)
     if src.kind == "folder" and (src.path / "glaswap.json").is_file():
         raise GlaswapError(f"{teacher} is a glaswap model; --teacher takes the original model (a Hugging Face "
                            f"folder or .gguf file) or self")
     return src.kind, src.path, src.describe()
+
+
+# Reading every byte of a many-GB checkpoint would cost more than the command that checks it,
+# so each weight file is hashed by its size, its safetensors header (every tensor's name,
+# dtype, shape and offsets) and its first and last FINGERPRINT_EDGE bytes: another model, or
+# other weights of the same shapes, differ there.
+FINGERPRINT_EDGE = 4 << 20
+FINGERPRINT_METHOD = ("sha256 over each weight file's name, size, safetensors header, first and last 4 MiB")
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
+
+
+def _weight_files(kind: str, path: Path) -> list[Path]:
+    if kind == "gguf":
+        return [path]
+    return sorted(p for p in path.iterdir() if p.is_file() and p.suffix in WEIGHT_SUFFIXES)
+
+
+def source_fingerprint(kind: str, path) -> dict:
+    """What identifies a teacher's weights (FINGERPRINT_METHOD): {"method", "files": {name:
+    size}, "sha256"}."""
+    path = Path(path)
+    digest = hashlib.sha256()
+    files = {}
+    for f in _weight_files(kind, path):
+        size = f.stat().st_size
+        files[f.name] = size
+        digest.update(f"{f.name}\0{size}\0".encode())
+        with open(f, "rb") as fh:
+            head = fh.read(FINGERPRINT_EDGE)
+            digest.update(head)
+            if f.suffix == ".safetensors" and len(head) >= 8:
+                header_len = int.from_bytes(head[:8], "little")
+                if 8 + header_len > len(head) and header_len < size:   # a header longer than the edge
+                    fh.seek(len(head))
+                    digest.update(fh.read(8 + header_len - len(head)))
+            if size > FINGERPRINT_EDGE:
+                fh.seek(max(len(head), size - FINGERPRINT_EDGE))
+                digest.update(fh.read())
+    return {"method": FINGERPRINT_METHOD, "files": files, "sha256": digest.hexdigest()}
+
+
+def check_fingerprint(recorded: dict, kind: str, path: Path):
+    """One line when the teacher found at `path` is not the one glaswap.json's source was
+    converted from. A source recorded before fingerprints existed is not checked."""
+    expected = recorded.get("fingerprint")
+    if not isinstance(expected, dict) or expected.get("method") != FINGERPRINT_METHOD:
+        return
+    try:
+        found = source_fingerprint(kind, path)
+    except OSError as e:
+        raise GlaswapError(f"the teacher at {path} cannot be read ({e.strerror or e}); check its permissions, "
+                           f"or pass --teacher PATH")
+    if found == expected:
+        return
+    was, now = expected.get("files") or {}, found["files"]
+    if set(was) != set(now):
+        why = f"its weight files are {', '.join(sorted(now)) or 'none'}, not {', '.join(sorted(was))}"
+    else:
+        changed = next((n for n in sorted(now) if now[n] != was[n]), None)
+        why = (f"{changed} is {now[changed]:,} bytes, not {was[changed]:,}" if changed else
+               "its weights differ in content")
+    raise GlaswapError(f"the teacher at {path} is not the model this was converted from ({why}); pass "
+                       f"--teacher {path} to score against it anyway")
 
 
 def load_teacher(kind, path, device, dtype, trust_remote_code: bool = False):
@@ -212,7 +312,7 @@ class Opened:
 
 def open_model(model_dir, device: str = "auto", dtype: str = "auto", teacher: str | None = None,
                sparse_cache: int | None = None, tokenizer: bool = True, trust_remote_code: bool = False,
-               before_load=None, log=print) -> Opened:
+               before_load=None, writes=None, log=print) -> Opened:
     """Check MODEL's folder, pick the device and dtype, load its tokenizer, the student and the
     teacher: None (no teacher), "self" (no second model: the student's own softmax attention),
     "auto" (the source recorded in glaswap.json) or a folder / .gguf file.
@@ -220,13 +320,16 @@ def open_model(model_dir, device: str = "auto", dtype: str = "auto", teacher: st
     What needs no weights is checked before any are loaded, so a bad option costs no loading:
     the folder, the teacher's source, the device, then `before_load(tokenizer)`, where a
     command reads its own input with the tokenizer (the texts it will score, say; what it
-    returns is `prepared`). trust_remote_code: run Python code that the tokenizer's or the
-    teacher's folder ships."""
+    returns is `prepared`). writes: the folder the command will write its results to, checked
+    (check_writable) before anything loads. trust_remote_code: run Python code that the
+    tokenizer's or the teacher's folder ships."""
     folder = Path(model_dir)
     meta = check_model_folder(folder)
     kind = path = desc = None
     if teacher is not None:
         kind, path, desc = teacher_source(folder, meta, teacher)
+    if writes is not None:
+        check_writable(writes)
     dev = pick_device(device)
     dt = pick_dtype(dtype, dev)
     tok = load_tokenizer(folder, trust_remote_code) if tokenizer else None
@@ -273,8 +376,9 @@ def read_text_file(path) -> str:
     return decode_text(data, path)
 
 
-def parse_contexts(text: str) -> list[int]:
-    """'1024,4K,16k' -> [1024, 4096, 16384]."""
+def parse_contexts(text: str, option: str = "--contexts", noun: str = "context") -> list[int]:
+    """'1024,4K,16k' -> [1024, 4096, 16384]; `option` and `noun` name the flag and what it
+    lists in the errors."""
     out = []
     for part in str(text).split(","):
         part = part.strip().lower()
@@ -282,9 +386,9 @@ def parse_contexts(text: str) -> list[int]:
         try:
             value = int(part[:-1] if mult > 1 else part) * mult
         except ValueError:
-            raise GlaswapError(f"invalid context {part!r} in --contexts; write them like 1024,4K,16K")
+            raise GlaswapError(f"invalid {noun} {part!r} in {option}; write them like 1024,4K,16K")
         if value < 1:
-            raise GlaswapError(f"invalid context {value} in --contexts; contexts must be at least 1 token")
+            raise GlaswapError(f"invalid {noun} {value} in {option}; {noun}s must be at least 1 token")
         out.append(value)
     return out
 
@@ -310,6 +414,29 @@ def write_error(e: BaseException, out) -> GlaswapError | None:
     if code is None:
         return None
     return GlaswapError(f"cannot write {out} ({WRITE_ERRORS[code]}); free some space or choose a writable folder")
+
+
+def check_writable(out, option: str = "--out"):
+    """One line, before any work, when the results could not be written to folder `out`: it is
+    a file, or it (or the nearest folder above it that exists, where it would be made) takes no
+    new file. A command that computes for minutes must not fail only at the end."""
+    out = Path(out)
+    if out.exists() and not out.is_dir():
+        raise GlaswapError(f"{option} {out} is a file; pass a folder for the results")
+    probe = out
+    while not probe.exists():
+        if probe.parent == probe:
+            break
+        probe = probe.parent
+    if not probe.is_dir():
+        raise GlaswapError(f"{option} {out} cannot be made: {probe} is a file; pass a writable folder")
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=".glaswap-write-check.", dir=probe)
+        os.close(fd)
+        os.unlink(tmp)
+    except OSError as e:
+        reason = WRITE_ERRORS.get(e.errno, e.strerror or str(e))
+        raise GlaswapError(f"cannot write the results to {out} ({reason}); pass {option} DIR to a writable folder")
 
 
 def umasked(mode: int) -> int:

@@ -67,7 +67,10 @@ class GLASwapConfig(PretrainedConfig):
         saved = "transformers_version" in kwargs
         gla = {name: kwargs.pop(name, BEFORE_OPTION.get(name, opt.default) if saved else opt.default)
                for name, opt in GLA_OPTIONS.items()}
-        check_gla_options(gla)
+        # the same validation as convert's options, so a config.json edited by hand cannot
+        # hold what convert would refuse (NaN, a negative epsilon, a window past the positions)
+        positions = max_position_embeddings if isinstance(max_position_embeddings, int) else None
+        check_gla_options(gla, max_positions=positions)
         # a model holds explicit layers (sorted, each once, inside it): auto:N is distill's to resolve
         gla["softmax_layers"] = parse_softmax_layers(gla["softmax_layers"], self.num_hidden_layers)
         for name, value in gla.items():

@@ -58,7 +58,8 @@ GLA_OPTIONS = {o.name: o for o in (
            choices=("identity", "softmax", "hedgehog", "hedgehog_pm"), flag="--feature-map"),
     Option("normalizer", bool, True, "Divide by the linear-attention denominator (needs softmax, hedgehog or "
            "hedgehog_pm); without it the outputs are far from the teacher's.", flag="--normalizer"),
-    Option("normalizer_eps", float, 1e-6, "Added to the linear-attention denominator before dividing by it."),
+    Option("normalizer_eps", float, 1e-6, "Added to the linear-attention denominator before dividing by it.",
+           check=lambda v: None if v > 0 else "expected > 0"),
     Option("use_rope", bool, True, "Keep RoPE on q and k before the feature map.", flag="--rope"),
     # The slow pairs never turn through a full circle inside the training length, so past it
     # they would show the feature maps angles training never did, and the loss of a document
@@ -204,12 +205,20 @@ def _value_problem(opt: Option, value) -> str | None:
         return "expected a whole number"
     if opt.type is float and not isinstance(value, (int, float)):
         return "expected a number"
+    if opt.type is float and not math.isfinite(value):
+        return "expected a finite number"
     return opt.check(value) if opt.check else None
 
 
-def check_gla_options(opts):
+# Options that size what a layer holds per token of context: none can usefully exceed the
+# positions the teacher was trained on, and a buffer is allocated at its full size.
+POSITION_BOUNDED = ("window", "sinks", "sparse_cache")
+
+
+def check_gla_options(opts, max_positions: int | None = None):
     """Raise ValueError, one line naming the problem and the fix, for invalid GLA option values
-    (each given value, then how they go together with the defaults of the rest)."""
+    (each given value, then how they go together with the defaults of the rest). max_positions:
+    the model's max_position_embeddings, which bounds window, sinks and sparse_cache."""
     for name, value in opts.items():
         if name not in GLA_OPTIONS:
             raise ValueError(f"unknown GLA option {name!r}; known: {', '.join(GLA_OPTIONS)}")
@@ -232,3 +241,17 @@ def check_gla_options(opts):
     if merged["window"] and not merged["normalizer"]:
         raise ValueError("a window needs the normalizer (it shares the softmax's normalisation); turn the "
                          "normalizer on, or set window to 0")
+    if max_positions is not None:
+        for name in POSITION_BOUNDED:
+            problem = position_bound_problem(name, merged[name], max_positions)
+            if problem:
+                raise ValueError(problem)
+
+
+def position_bound_problem(name: str, value: int, max_positions: int) -> str | None:
+    """The one-line refusal of a window, sinks or sparse_cache value beyond the model's
+    positions, else None."""
+    if value <= max_positions:
+        return None
+    return (f"{name} {value} is beyond the model's {max_positions} positions (max_position_embeddings); "
+            f"use at most {max_positions}")
