@@ -309,8 +309,8 @@ def passkey(model, lengths, depths, trials, teacher, no_teacher, seed, filler, s
     from glaswap.passkey import parse_depths, passkey as run_passkey
     from glaswap.runtime import parse_contexts
 
-    run_passkey(model, lengths=parse_contexts(lengths, "--lengths", "length"), depths=parse_depths(depths), trials=trials,
-                teacher=None if no_teacher else teacher, seed=seed, out=out, device=device, dtype=dtype,
+    run_passkey(model, lengths=parse_contexts(lengths, "--lengths", "length"), depths=parse_depths(depths),
+                trials=trials, teacher=None if no_teacher else teacher, seed=seed, out=out, device=device, dtype=dtype,
                 trust_remote_code=trust_remote_code, filler=filler, sparse_cache=sparse_cache, log=click.echo)
 
 

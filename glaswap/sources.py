@@ -41,10 +41,21 @@ ARCHIVE_SUFFIXES = (".whl", ".tar.gz", ".zip")   # in order of preference: wheel
 
 
 def cache_dir() -> Path:
-    """glaswap's download and tokenisation cache ($GLASWAP_CACHE, else ~/.cache/glaswap)."""
-    root = os.environ.get("GLASWAP_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "glaswap")
-    path = Path(root)
-    path.mkdir(parents=True, exist_ok=True)
+    """glaswap's download and tokenisation cache ($GLASWAP_CACHE, else ~/.cache/glaswap),
+    created if need be; one line naming it when it is a file or cannot be written."""
+    given = os.environ.get("GLASWAP_CACHE")
+    path = Path(given or os.path.join(os.path.expanduser("~"), ".cache", "glaswap")).expanduser()
+    what = f"the cache folder {path} (GLASWAP_CACHE)" if given else f"the cache folder {path}"
+    fix = "point GLASWAP_CACHE at a folder you can write"
+    if path.exists() and not path.is_dir():
+        raise GlaswapError(f"{what} is a file, not a folder; {fix}")
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        fd, probe = tempfile.mkstemp(prefix=".write-test.", dir=path)
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as e:
+        raise GlaswapError(f"cannot write {what} ({e.strerror or type(e).__name__}); {fix}")
     return path
 
 

@@ -536,3 +536,240 @@ def test_resume_hint_is_a_command_that_resumes(tmp_path):
     res = CliRunner().invoke(main, argv[1:])
     assert res.exit_code == 0, res.output[-3000:]
     assert "resuming stage 1 after step 2" in res.output and (out / "model.safetensors").is_file()
+
+
+# ----------------------------------------------------------------------------- --force replaces only glaswap's
+def test_recipe_name_is_a_name_not_a_path(tmp_path, monkeypatch):
+    path = tiny_recipe(tmp_path)
+    victim = tmp_path / "rn" / "victim"
+    victim.mkdir(parents=True)
+    (victim / "important.txt").write_text("the user's")
+    (tmp_path / "rn" / "sub").mkdir()
+    monkeypatch.chdir(tmp_path / "rn" / "sub")
+    for name in ("../../victim", "a/b", str(victim), "..", "a\\b"):
+        res = cli("distill", "--recipe", path, "output.dir=null", f"name={name}", "--force")
+        one_line_error(res, "recipe key name", "not a name")
+    assert (victim / "important.txt").read_text() == "the user's"
+    assert sorted(p.name for p in (tmp_path / "rn").iterdir()) == ["sub", "victim"]
+
+
+def test_force_replaces_only_a_folder_glaswap_wrote(tmp_path):
+    path = tiny_recipe(tmp_path)
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("the user's")
+    one_line_error(cli("distill", "--recipe", path, "--out", mine, "--force"), str(mine), "not a glaswap output")
+    assert (mine / "notes.txt").read_text() == "the user's"
+    (tmp_path / "out.run").mkdir()                      # the run folder OUT.run of --out out is the user's
+    (tmp_path / "out.run" / "notes.txt").write_text("the user's")
+    one_line_error(cli("distill", "--recipe", path, "--out", tmp_path / "out", "--force"), "out.run",
+                   "not a glaswap run")
+    assert (tmp_path / "out.run" / "notes.txt").read_text() == "the user's"
+    assert not (tmp_path / "out").exists()
+
+
+def test_force_accepts_an_empty_folder_or_one_glaswap_wrote(tmp_path):
+    import glaswap.distill.train as T
+
+    for folder, mark in ((tmp_path / "empty", None), (tmp_path / "done", "glaswap.json")):
+        folder.mkdir()
+        if mark:
+            (folder / mark).write_text("{}")
+            (folder / "model.safetensors").write_bytes(b"")
+        T._check_folders(folder, folder.with_name(folder.name + ".run"), resume=False, force=True)
+
+
+def test_force_never_deletes_the_recipe_being_run(tmp_path):
+    path = tiny_recipe(tmp_path)
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "glaswap.json").write_text("{}")              # an earlier output, its recipe edited and run again
+    recipe = out / "recipe.yaml"
+    recipe.write_text(path.read_text())
+    one_line_error(cli("distill", "--recipe", recipe, "--out", out, "--force"), "recipe", "is inside OUT")
+    assert recipe.read_text() == path.read_text()
+    run = tmp_path / "o2.run"                              # the same in the run folder OUT.run
+    run.mkdir()
+    (run / "recipe.yaml").write_text(path.read_text())
+    one_line_error(cli("distill", "--recipe", run / "recipe.yaml", "--out", tmp_path / "o2", "--force"),
+                   "recipe", "is inside OUT")
+    assert (run / "recipe.yaml").read_text() == path.read_text()
+
+
+# ----------------------------------------------------------------------------- resume checks the checkpoint
+@pytest.fixture(scope="module")
+def stopped_run(tmp_path_factory):
+    """A tiny run stopped after stage 1 step 2 of 3 (recipe, run folder): copy the run folder
+    before changing it."""
+    root = tmp_path_factory.mktemp("stopped")
+    path = tiny_recipe(root, s1=3, s2=1, every=1)
+    with pytest.raises(Interrupted):
+        distill(load_recipe(path), out=root / "run", log=_quiet, stop_after=(1, 2))
+    return path, root / "run.run"
+
+
+def _copy_run(stopped_run, tmp_path):
+    import shutil
+
+    path, run = stopped_run
+    shutil.copytree(run, tmp_path / "run.run")
+    return path, tmp_path / "run.run", tmp_path / "run"
+
+
+def _truncate(path: Path):
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) // 2])
+
+
+def _edit_json(path: Path, edit):
+    value = json.loads(path.read_text())
+    edit(value)
+    path.write_text(json.dumps(value))
+
+
+def _other_shape(ckpt: Path):
+    state = load_file(str(ckpt / "trainable.safetensors"))
+    name = sorted(state)[0]
+    state[name] = torch.zeros(*[n + 1 for n in state[name].shape])
+    save_file(state, str(ckpt / "trainable.safetensors"))
+
+
+DAMAGE = {
+    "truncated trainable": (lambda r: _truncate(r / "checkpoints/stage1/trainable.safetensors"), "trainable.safetensors"),
+    "truncated converted": (lambda r: _truncate(r / "converted/model.safetensors"), "converted/model.safetensors"),
+    "invalid state": (lambda r: (r / "checkpoints/stage1/state.json").write_text("{\"stage\": 1, "), "state.json"),
+    "invalid metrics": (lambda r: (r / "metrics.jsonl").write_text("{\"stage\": 0}\nnot json\n"), "metrics.jsonl"),
+    "missing trainable": (lambda r: (r / "checkpoints/stage1/trainable.safetensors").unlink(), "trainable.safetensors"),
+    "edited optimizer groups": (lambda r: _edit_json(r / "checkpoints/stage1/optimizer.json",
+                                                     lambda o: o["param_groups"][0].update(params=["x"])),
+                                "optimizer.json"),
+    "edited optimizer schedule": (lambda r: _edit_json(r / "checkpoints/stage1/optimizer.json",
+                                                       lambda o: o.pop("scheduler")), "optimizer.json"),
+    "another shape": (lambda r: _other_shape(r / "checkpoints/stage1"), "trainable.safetensors"),
+    "step beyond the recipe": (lambda r: _edit_json(r / "checkpoints/stage1/state.json",
+                                                    lambda s: s.update(step=999)), "step 999"),
+    "deleted metrics": (lambda r: (r / "metrics.jsonl").unlink(), "metrics.jsonl"),
+}
+
+
+@pytest.mark.parametrize("damage", list(DAMAGE))
+def test_resume_from_a_damaged_run_folder_one_line(stopped_run, tmp_path, damage):
+    path, run, out = _copy_run(stopped_run, tmp_path)
+    spoil, needle = DAMAGE[damage]
+    spoil(run)
+    one_line_error(cli("distill", "--recipe", path, "--out", out, "--resume"), needle, "--force")
+    assert not out.exists() and run.is_dir()
+
+
+def test_resume_refuses_a_checkpoint_of_another_model_or_recipe(stopped_run, tmp_path):
+    path, run, out = _copy_run(stopped_run, tmp_path)
+    weights = run / "converted" / "model.safetensors"
+    original = weights.read_bytes()
+    state = load_file(str(weights))
+    save_file({k: v + 0.01 if v.is_floating_point() else v for k, v in state.items()}, str(weights),
+              metadata={"format": "pt"})                # another model of the same shape
+    one_line_error(cli("distill", "--recipe", path, "--out", out, "--resume"), "another converted model", "--force")
+    weights.write_bytes(original)
+    _edit_json(run / "checkpoints/stage1/state.json", lambda s: s.update(recipe="0" * 24))
+    one_line_error(cli("distill", "--recipe", path, "--out", out, "--resume"), "other training settings", "--force")
+
+
+def test_deleted_run_recipe_does_not_send_the_user_in_a_loop(stopped_run, tmp_path):
+    path, run, out = _copy_run(stopped_run, tmp_path)
+    (run / "recipe.yaml").unlink()
+    resume = one_line_error(cli("distill", "--recipe", path, "--out", out, "--resume"), "recipe.yaml", "--force")
+    plain = one_line_error(cli("distill", "--recipe", path, "--out", out), "recipe.yaml", "--force")
+    assert "without --resume" not in resume and "--resume" not in plain, (resume, plain)
+
+
+def test_full_disk_at_start_leaves_no_empty_recipe(tmp_path, monkeypatch):
+    path = tiny_recipe(tmp_path, s1=1, s2=0)
+    original = Path.write_text
+
+    def full(self, data, *a, **k):
+        if "recipe.yaml" in self.name:
+            original(self, "")
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(self))
+        return original(self, data, *a, **k)
+
+    monkeypatch.setattr(Path, "write_text", full)
+    one_line_error(cli("distill", "--recipe", path, "--out", tmp_path / "out"), "the disk is full")
+    monkeypatch.setattr(Path, "write_text", original)
+    assert not (tmp_path / "out.run" / "recipe.yaml").exists()
+    res = cli("distill", "--recipe", path, "--out", tmp_path / "out")       # the disk has room again
+    assert res.exit_code == 0, res.output[-3000:]
+
+
+# ----------------------------------------------------------------------------- environment and arguments
+@pytest.mark.parametrize("kind", ["a file", "unwritable"])
+def test_unusable_cache_folder_one_line_and_no_run_folder(tmp_path, monkeypatch, kind):
+    path = tiny_recipe(tmp_path)
+    text = tmp_path / "text.txt"
+    text.write_text("Some training text. " * 50)
+    if kind == "a file":
+        cache = tmp_path / "cache"
+        cache.write_text("")
+    elif os.geteuid() == 0:
+        cache = Path("/sys/kernel")                       # root passes permission bits; sysfs refuses
+    else:
+        cache = tmp_path / "readonly"
+        cache.mkdir()
+        cache.chmod(0o555)
+    monkeypatch.setenv("GLASWAP_CACHE", str(cache))
+    res = cli("distill", "--recipe", path, f"data.train=[{{path: {text}}}]", "--out", tmp_path / "o")
+    one_line_error(res, f"cache folder {cache}", "GLASWAP_CACHE")
+    assert not (tmp_path / "o.run").exists() and not (tmp_path / "o").exists()
+
+
+def test_stray_world_size_one_line(tmp_path, monkeypatch):
+    path = tiny_recipe(tmp_path)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.delenv("RANK", raising=False)
+    one_line_error(cli("distill", "--recipe", path, "--out", tmp_path / "o"), "WORLD_SIZE=2", "RANK", "torchrun")
+    monkeypatch.setenv("WORLD_SIZE", "two")
+    one_line_error(cli("distill", "--recipe", path, "--out", tmp_path / "o"), "WORLD_SIZE", "torchrun")
+    assert not (tmp_path / "o.run").exists()
+
+
+@pytest.mark.parametrize("stop, needle", [("3:5", "no stage 3"), ("1:999", "from 1 to 4"), ("1:0", "from 1 to 4"),
+                                          ("2:-1", "from 1 to 4")])
+def test_stop_after_outside_the_recipe_refused(tmp_path, stop, needle):
+    path = tiny_recipe(tmp_path)
+    one_line_error(cli("distill", "--recipe", path, "--out", tmp_path / "o", "--stop-after", stop),
+                   f"--stop-after {stop}", needle)
+    assert not (tmp_path / "o.run").exists()
+
+
+def test_stop_after_the_last_step_of_a_stage_stops_there(tmp_path):
+    path = tiny_recipe(tmp_path, s1=2, s2=1)
+    res = cli("distill", "--recipe", path, "--out", tmp_path / "o", "--stop-after", "1:2")
+    assert res.exit_code == 130 and "stopped after stage 1 step 2" in res.output, res.output[-3000:]
+    state = json.loads((tmp_path / "o.run" / "checkpoints" / "stage1" / "state.json").read_text())
+    assert state["step"] == 2 and not (tmp_path / "o.run" / "checkpoints" / "stage2").exists()
+    one_line_error(cli("distill", "--recipe", path, "--out", tmp_path / "o", "--resume", "--stop-after", "1:1"),
+                   "not after the checkpoint")
+
+
+def test_recipe_that_is_not_utf8_or_a_folder_one_line(tmp_path):
+    bad = tmp_path / "latin1.yaml"
+    bad.write_bytes("name: caf\u00e9\n".encode("latin-1"))
+    one_line_error(cli("distill", "--recipe", bad), "latin1.yaml", "not UTF-8")
+    folder = tmp_path / "recipes"
+    folder.mkdir()
+    line = one_line_error(cli("distill", "--recipe", folder), "is a folder")
+    assert "does not exist" not in line
+
+
+def test_data_path_with_glob_characters_is_read_as_it_is(tmp_path):
+    path = tiny_recipe(tmp_path)
+    literal = tmp_path / "set[a]" / "part[1].txt"
+    literal.parent.mkdir()
+    literal.write_text("Text in a folder whose name holds brackets. " * 20)
+    recipe = load_recipe(path, [f"data.train=[{{path: '{literal}'}}]"])
+    D.check_paths(recipe)
+    assert D.local_paths(recipe) == [literal]
+    assert D._local_files(recipe.data.train[0]) == [literal]
+    folder = load_recipe(path, [f"data.train=[{{path: '{literal.parent}'}}]"])
+    assert D._local_files(folder.data.train[0]) == [literal]
+    one_line_error(cli("distill", "--recipe", path, f"data.train=[{{path: '{literal}'}}]", "--out", literal.parent,
+                       "--force"), "data path", "is inside OUT")

@@ -92,9 +92,15 @@ def _documents_of_file(path: Path, text_field: str):
         yield path.name, _read_text_file(path)
 
 
+def _is_glob(path: str) -> bool:
+    """Whether a data path is read as a glob: it holds a glob character and names no existing
+    file or folder (a path that exists is read as it is, `[` and all)."""
+    return any(ch in path for ch in "*?[") and not Path(path).expanduser().exists()
+
+
 def _local_files(spec: DataSource) -> list[Path]:
     p = Path(spec.path).expanduser()
-    if any(ch in spec.path for ch in "*?["):
+    if _is_glob(spec.path):
         files = [Path(f) for f in sorted(globlib.glob(str(p), recursive=True))]
     elif p.is_dir():
         files = sorted(f for f in p.glob(spec.glob) if f.is_file())
@@ -352,7 +358,7 @@ def local_paths(recipe: Recipe) -> list[Path]:
     out = []
     for spec in recipe_sources(recipe):
         if spec.path:
-            if any(ch in spec.path for ch in "*?["):
+            if _is_glob(spec.path):
                 out += [Path(f) for f in globlib.glob(str(Path(spec.path).expanduser()), recursive=True)]
             else:
                 out.append(Path(spec.path).expanduser())
@@ -372,6 +378,17 @@ def check_paths(recipe: Recipe):
                         raise GlaswapError(f"data file {f} is empty; remove it from the recipe or add text")
                     if f.suffix.lower() != ".parquet":
                         _check_text_start(f)
+
+
+def check_cache(recipe: Recipe):
+    """Make sure glaswap's cache folder can be written where the run will need it (text to
+    tokenise, a pypi: or hf: source, the embedded model), before a run folder exists."""
+    from glaswap.sources import EMBEDDED
+
+    needs = recipe.model.source in EMBEDDED or any(not (s.path and s.path.endswith(".npz"))
+                                                   for s in recipe_sources(recipe))
+    if needs:
+        cache_dir()
 
 
 def load_tokenizer(converted: Path, recipe: Recipe, trust_remote_code: bool = False):

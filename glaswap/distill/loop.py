@@ -37,7 +37,8 @@ class RunState:
     dtype: torch.dtype                      # the compute dtype (autocast's on CUDA)
     metrics: Metrics
     trainable: set[str]                     # the parameters a checkpoint holds
-    stop_after: tuple[int, int] | None = None   # (stage, step): stop there as on Ctrl-C
+    stop_after: tuple[int, int] | None = None   # (stage, step): stop right after that step, as on Ctrl-C
+    belongs: dict | None = None             # what each checkpoint records it belongs to (check_checkpoint)
 
 
 @dataclass
@@ -110,7 +111,7 @@ def _checkpoint(stage: StageContext, done: int):
     if not _weights_finite(stage):
         raise _diverged(stage, done, "a trained weight")
     save_checkpoint(run.folder, stage.number, done, stage.model, run.trainable, stage.optimizer, stage.scheduler,
-                    run.dist)
+                    run.dist, run.belongs)
 
 
 def run_stage(stage: StageContext):
@@ -163,10 +164,10 @@ def run_stage(stage: StageContext):
                                 tokens_per_s=tok_s, seconds=dt)
             done = step + 1
             every = train.checkpoint_every
-            if (every and done % every == 0) or done == cfg.steps:
+            stop = run.stop_after == (stage.number, done)
+            if (every and done % every == 0) or done == cfg.steps or stop:
                 _checkpoint(stage, done)
-            if run.stop_after is not None and (stage.number, done) >= run.stop_after and done < cfg.steps:
-                _checkpoint(stage, done)
+            if stop:   # at a stage's last step: before its evaluation, which the resumed run makes
                 raise Interrupted(f"stopped after stage {stage.number} step {done}")
     except KeyboardInterrupt:
         # `step` is the step that was running; the last completed one is step.

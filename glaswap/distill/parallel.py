@@ -22,7 +22,8 @@ from pathlib import Path
 import torch
 import torch.distributed as tdist
 
-from glaswap.distill.checkpoints import copy_state
+from glaswap.distill.checkpoints import TRAINABLE, check_state, copy_state, load_trainable_state
+from glaswap.errors import GlaswapError
 
 
 def _is_dtensor(t) -> bool:
@@ -146,14 +147,14 @@ class Dist:
         return {n: _full(p) for n, p in model.named_parameters() if n in names}
 
     def load_trainable(self, model, folder: Path):
-        """Load a checkpoint's parameters, sharding them as this process's layout wants."""
-        from safetensors.torch import load_file
-
-        state = load_file(str(Path(folder) / "trainable.safetensors"))
+        """Load a checkpoint's parameters, sharding them as this process's layout wants; one
+        line naming the file when it is damaged or of another model."""
+        state = load_trainable_state(folder)
         if self.mode == "fsdp":
             from torch.distributed.tensor import distribute_tensor
 
             params = dict(model.named_parameters())
+            check_state(params, state, Path(folder) / TRAINABLE)   # a DTensor's shape is the whole one
             with torch.no_grad():
                 for name, value in state.items():
                     p = params[name]
@@ -163,7 +164,7 @@ class Dist:
                     else:
                         p.copy_(value.to(p.dtype))
             return
-        copy_state(model, state)
+        copy_state(model, state, Path(folder) / TRAINABLE)
 
     # ---------------------------------------------------------------- optimizer state
     def optimizer_state(self, model, optimizer) -> dict:
@@ -205,14 +206,35 @@ class Dist:
             optimizer.state[p] = restored
 
 
+def _env_int(name: str, default: str | None, low: int, high: int | None = None) -> int:
+    """An integer of torchrun's environment, in [low, high]; one line for a missing or odd one
+    (a variable left over in the shell, not a torchrun launch)."""
+    raw = os.environ.get(name, default)
+    fix = "launch with torchrun, or unset WORLD_SIZE to run in one process"
+    if raw is None:
+        raise GlaswapError(f"WORLD_SIZE={os.environ['WORLD_SIZE']} is set but {name} is not; {fix}")
+    try:
+        value = int(raw)
+    except ValueError:
+        value = None
+    if value is None or value < low or (high is not None and value > high):
+        bound = f"from {low} to {high}" if high is not None else f"of at least {low}"
+        raise GlaswapError(f"{name}={raw!r} is not an integer {bound}; {fix}")
+    return value
+
+
 def setup_distributed(mode: str = "auto") -> Dist:
     """Read torchrun's environment; start the process group when there are several processes."""
-    world = int(os.environ.get("WORLD_SIZE", "1"))
+    world = _env_int("WORLD_SIZE", "1", 0)
     if world <= 1:
         return Dist()
-    rank, local_rank = int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", "0"))
+    rank, local_rank = _env_int("RANK", None, 0, world - 1), _env_int("LOCAL_RANK", "0", 0, world - 1)
     owns = not tdist.is_initialized()
     if owns:
+        for name in ("MASTER_ADDR", "MASTER_PORT"):   # the rendezvous torchrun sets up
+            if name not in os.environ:
+                raise GlaswapError(f"WORLD_SIZE={world} is set but {name} is not; launch with torchrun, "
+                                   f"or unset WORLD_SIZE to run in one process")
         backend = "nccl" if torch.cuda.is_available() else "gloo"
         if backend == "nccl":
             torch.cuda.set_device(local_rank)

@@ -8,6 +8,8 @@ output folder, so a run can be repeated from it.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import json
 import math
 import typing
 from dataclasses import dataclass, field
@@ -218,6 +220,12 @@ def _check_values(r: Recipe):
     bad = _non_finite(r)
     if bad:
         raise GlaswapError(f"recipe key {bad[0]}: must be a finite number, got {bad[1]}")
+    # the name is the default output folder's last part (runs/<name>), which --force replaces:
+    # a path in it would send that folder anywhere
+    plain = r.name not in ("", ".", "..") and not any(c in r.name for c in "/\\\0")
+    need(plain and not Path(r.name).is_absolute(), "name",
+         f"{r.name!r} is not a name: give one without path separators or '..' (output.dir or --out "
+         f"choose where the output goes)")
 
     try:
         auto = auto_softmax_layers(r.model.options)
@@ -362,6 +370,9 @@ def resolve_recipe(name_or_path) -> Path:
     path = Path(name_or_path)
     if path.is_file():
         return path
+    if path.is_dir():
+        raise GlaswapError(f"recipe {path} is a folder, not a file; give a recipe YAML file (or the name of "
+                           f"a shipped recipe)")
     shipped = shipped_recipes()
     name = path.name[:-len(".yaml")] if path.name.endswith(".yaml") else path.name
     if path.parent == Path(".") and name in shipped:
@@ -376,7 +387,13 @@ def load_recipe(path, overrides=()) -> Recipe:
     GlaswapError with one line on any problem."""
     path = resolve_recipe(path)
     try:
-        raw = yaml.safe_load(path.read_text()) or {}
+        text = path.read_bytes().decode("utf-8")
+    except OSError as e:
+        raise GlaswapError(f"cannot read recipe {path} ({e.strerror}); check the path and its permissions")
+    except UnicodeDecodeError as e:
+        raise GlaswapError(f"recipe {path} is not UTF-8 text (byte {e.start}); save it as UTF-8")
+    try:
+        raw = yaml.safe_load(text) or {}
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         where = f" at line {mark.line + 1}" if mark else ""
@@ -395,12 +412,40 @@ def load_recipe(path, overrides=()) -> Recipe:
         node[keys[-1]] = value
     recipe = _build(Recipe, raw, "")
     _check_values(recipe)
+    recipe.file = path.resolve()   # not a field: where it was read, which an output must not replace
     return recipe
+
+
+def recipe_file(recipe: Recipe) -> Path | None:
+    """The file `load_recipe` read the recipe from (None for a recipe built in code)."""
+    return getattr(recipe, "file", None)
 
 
 def dump_recipe(recipe: Recipe) -> str:
     return yaml.safe_dump(recipe.to_dict(), sort_keys=False)
 
 
+# Settings that change nothing a checkpoint holds: how often to log and save, how many CPU
+# threads, the process layout (checkpoints hold full tensors, saved with N processes and
+# resumed with M), whether stage 1 is evaluated; and the output section and name.
+_NOT_TRAINING = {"train": ("checkpoint_every", "log_every", "threads", "distributed", "eval_after_stage1",
+                           "gradient_checkpointing"),
+                 "data": ("eval", "extra_eval", "eval_tokens")}
+
+
+def training_hash(recipe: Recipe) -> str:
+    """A hash of the recipe's settings that shape the trained tensors (model, training data,
+    stages, seed, device and dtype), not those of its output, logging or evaluation: what a
+    checkpoint records to be resumed only by the run it belongs to."""
+    settings = recipe.to_dict()
+    settings.pop("output")
+    settings.pop("name")
+    for section, keys in _NOT_TRAINING.items():
+        for key in keys:
+            settings[section].pop(key)
+    return hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:24]
+
+
 __all__ = ["Recipe", "load_recipe", "dump_recipe", "parse_override", "GLA_OPTIONS", "resolve_recipe",
-           "shipped_recipes", "recipe_summary", "auto_softmax_layers", "conversion_options"]
+           "shipped_recipes", "recipe_summary", "auto_softmax_layers", "conversion_options", "recipe_file",
+           "training_hash"]

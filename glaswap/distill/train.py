@@ -3,6 +3,7 @@
 Layout of a run with output folder OUT:
     OUT.run.lock        held (flock) by the one process that runs in OUT.run
     OUT.run/            work in progress (removed when the run finishes)
+        glaswap-run.json  marks the folder as a glaswap run folder (--force replaces only such)
         converted/      the step-0 GLA model (`glaswap convert` output)
         recipe.yaml     the resolved recipe the run started with
         metrics.jsonl   one JSON line per logged step and evaluation
@@ -35,31 +36,37 @@ import torch
 from glaswap.checkpoint import check_out_path, exclusive_lock, output_folder, write_model_code
 from glaswap.distill import data as D
 from glaswap.distill.adapter import adapter_model, base_record, save_adapter
-from glaswap.distill.checkpoints import (Metrics, checkpoint_softmax_layers, copy_state, latest_checkpoint,
+from glaswap.distill.checkpoints import (START_OVER, Metrics, check_checkpoint, checkpoint_softmax_layers,
+                                         copy_state, damaged, latest_checkpoint, model_fingerprint, read_json_file,
                                          restore_optimizer)
 from glaswap.distill.losses import kd_step, transfer_step
 from glaswap.distill.loop import RunState, StageContext, evaluate_blocks, make_optimizer, run_stage
 from glaswap.distill.parallel import Dist, setup_distributed
-from glaswap.distill.recipe import Recipe, auto_softmax_layers, conversion_options, dump_recipe
+from glaswap.distill.recipe import (Recipe, auto_softmax_layers, conversion_options, dump_recipe, recipe_file,
+                                    training_hash)
 from glaswap.distill.select import RANKING_JSON, RANKING_PNG, choose_softmax_layers, read_ranking
 from glaswap.distill.student import (build_student, device_dtype, fuse_layers, keep_softmax_layers,
                                      lora_inputs_in_compute_dtype)
 from glaswap.errors import GlaswapError
 from glaswap.models.gla_options import GLA_OPTIONS, decay_bound
-from glaswap.runtime import DTYPES, check_finite_weights, write_error
+from glaswap.runtime import DTYPES, atomic_write, check_finite_weights, write_error
+
+RUN_MARKER = "glaswap-run.json"
 
 
 def distill(recipe: Recipe, out=None, resume: bool = False, force: bool = False, log=print,
             stop_after: tuple[int, int] | None = None, trust_remote_code: bool = False) -> dict:
     """Run a recipe; returns the figures written to OUT/glaswap.json.
 
-    `stop_after=(stage, step)` stops like Ctrl-C after that step (checkpoint written); the
-    resume test uses it. `trust_remote_code` lets the tokenizer run Python code its folder
+    `stop_after=(stage, step)` stops like Ctrl-C right after that step (checkpoint written;
+    at a stage's last step, before its evaluation); STEP runs from 1 to the stage's steps, and
+    a resumed run stops only at a step after its checkpoint. The resume tests use it. `trust_remote_code` lets the tokenizer run Python code its folder
     ships. Under torchrun this closes the process group it started; a script of your own
     should then end with `os._exit(0)` as `glaswap distill` does (see `_end_torchrun_worker`
     in glaswap/cli.py for the gloo shutdown race it avoids).
     """
     out, folder = _paths(recipe, out)
+    _check_stop_after(recipe, stop_after)
     dist = setup_distributed(recipe.train.distributed)
     ok = False
     try:
@@ -79,7 +86,8 @@ def distill(recipe: Recipe, out=None, resume: bool = False, force: bool = False,
 def _distill(recipe: Recipe, out: Path, folder: Path, resume: bool, force: bool, log, stop_after, dist: Dist,
              trust_remote_code: bool, held: contextlib.ExitStack) -> dict:
     started = time.time()
-    inputs = [("model.source", recipe.model.source)] + [("data path", p) for p in D.local_paths(recipe)]
+    inputs = [("model.source", recipe.model.source), ("recipe", recipe_file(recipe))]
+    inputs += [("data path", p) for p in D.local_paths(recipe)]
     check_out_path(out, inputs)
     check_out_path(folder, inputs)
     lock = folder.with_name(folder.name + ".lock")
@@ -88,6 +96,7 @@ def _distill(recipe: Recipe, out: Path, folder: Path, resume: bool, force: bool,
     _check_folders(out, folder, resume, force)   # every rank: they all see the same folders
     fresh = force or not folder.exists()         # this call creates the run folder
     D.check_paths(recipe)
+    D.check_cache(recipe)
     dist.barrier()
     device, dtype = device_dtype(recipe, dist)
     if recipe.train.threads and device.type == "cpu":
@@ -95,19 +104,22 @@ def _distill(recipe: Recipe, out: Path, folder: Path, resume: bool, force: bool,
     log = log if dist.is_main else (lambda *a, **k: None)
 
     try:
-        dist.main_only(lambda: _prepare_run_folder(folder, recipe, resume, force, trust_remote_code, log))
+        dist.main_only(lambda: _prepare_run_folder(folder, out, recipe, resume, force, trust_remote_code, log))
         converted = folder / "converted"
-        step0 = json.loads((converted / "glaswap.json").read_text()).get("step0", {})
+        step0 = read_json_file(converted / "glaswap.json").get("step0", {})
+        # what each checkpoint records and a resumed run checks: the training settings, and
+        # the weights it trains on (another model of the same shape fits the tensors too)
+        belongs = {"recipe": training_hash(recipe), "model": model_fingerprint(converted)}
         data = D.load_run_data(converted, recipe, log, trust_remote_code)
         torch.manual_seed(recipe.train.seed)
         student = build_student(converted, recipe, dist.storage_dtype(dtype))
         auto = _check_auto(recipe, student.lm.config.num_hidden_layers)
-    except GlaswapError:
+    except (GlaswapError, OSError):
         # Refused before any training (a bad source, empty data, a set shorter than one block,
-        # no tokenizer, unknown LoRA targets): a run folder this call created holds at most the
-        # conversion, so it goes, and the same command works again once the recipe is fixed
-        # (no --force needed). Under torchrun the other ranks may still be reading it: the
-        # folder stays there.
+        # no tokenizer, unknown LoRA targets, a full disk): a run folder this call created holds
+        # at most the conversion, so it goes, and the same command works again once the cause
+        # is fixed (no --force needed). Under torchrun the other ranks may still be reading it:
+        # the folder stays there.
         if fresh and dist.world == 1:
             shutil.rmtree(folder, ignore_errors=True)
         raise
@@ -121,8 +133,10 @@ def _distill(recipe: Recipe, out: Path, folder: Path, resume: bool, force: bool,
 
     run = RunState(folder=folder, recipe=recipe, dist=dist, device=device, dtype=dtype,
                    metrics=Metrics(folder / "metrics.jsonl", dist.is_main), trainable=student.trainable,
-                   stop_after=stop_after)
+                   stop_after=stop_after, belongs=belongs)
     ckpt = latest_checkpoint(folder) if resume else None
+    if ckpt:
+        _check_resume(ckpt, recipe, belongs, run.metrics, stop_after)
     start_stage, start_step = (ckpt[0], ckpt[1]) if ckpt else (1, 0)
     # a resumed run keeps the softmax layers its first run chose (after stage 1, on the state
     # of that moment), never measuring again
@@ -234,10 +248,63 @@ def _check_folders(out: Path, run: Path, resume: bool, force: bool):
         if resume:
             raise GlaswapError(f"{out} already holds a finished run; nothing to resume (pass --force to redo it)")
         raise GlaswapError(f"{out} already exists; choose another --out, or pass --force to replace it")
-    if resume and not (run / "recipe.yaml").is_file():
+    if force:
+        _check_replaceable(out, ("glaswap.json",), "output")
+        _check_replaceable(run, (RUN_MARKER, "converted/glaswap.json"), "run")
+    recipe = run / "recipe.yaml"
+    if resume and not run.exists():
         raise GlaswapError(f"nothing to resume in {run}; start the run without --resume")
+    if resume and not recipe.is_file():
+        raise damaged(recipe, "is missing, so the run cannot be resumed")
     if run.exists() and not resume and not force:
+        if not recipe.is_file():
+            raise GlaswapError(f"an unfinished run is in {run}, but without its recipe.yaml it cannot be "
+                               f"resumed; {START_OVER}")
         raise GlaswapError(f"an unfinished run is in {run}; pass --resume to continue it or --force to restart")
+
+
+def _check_replaceable(folder: Path, marks: tuple[str, ...], kind: str):
+    """Refuse to let --force replace anything but a folder glaswap wrote (one holding one of
+    `marks`) or an empty folder: whatever else is there is the user's."""
+    if not (folder.exists() or folder.is_symlink()):
+        return
+    fix = "choose another --out, or move it away"
+    if folder.is_symlink() or not folder.is_dir():
+        raise GlaswapError(f"{folder} is not a folder; --force replaces only a glaswap {kind} folder; {fix}")
+    if any((folder / mark).is_file() for mark in marks) or not any(folder.iterdir()):
+        return
+    raise GlaswapError(f"{folder} is not a glaswap {kind} folder (it has no {marks[0]}), so --force does not "
+                       f"replace it; {fix}")
+
+
+def _check_stop_after(recipe: Recipe, stop_after):
+    """--stop-after STAGE:STEP names a step of the recipe: stage 1 or 2, and a step from 1 to
+    that stage's steps."""
+    if stop_after is None:
+        return
+    stage, step = stop_after
+    given = f"--stop-after {stage}:{step}"
+    if stage not in (1, 2):
+        raise GlaswapError(f"{given}: there is no stage {stage}; STAGE is 1 (attention transfer) or 2 (LoRA)")
+    steps = (recipe.stage1 if stage == 1 else recipe.stage2).steps
+    if steps == 0:
+        raise GlaswapError(f"{given}: stage {stage} has no steps (stage{stage}.steps: 0); stop in the other stage")
+    if not 1 <= step <= steps:
+        raise GlaswapError(f"{given}: STEP must be from 1 to {steps}, the steps of stage {stage} "
+                           f"(stage{stage}.steps)")
+
+
+def _check_resume(ckpt, recipe: Recipe, belongs: dict, metrics: Metrics, stop_after):
+    """A checkpoint this run can continue from, with its log, and a stop point after it."""
+    stage, step, folder = ckpt
+    check_checkpoint(folder, (recipe.stage1 if stage == 1 else recipe.stage2).steps, belongs)
+    if metrics.enabled:
+        if not metrics.path.is_file():
+            raise damaged(metrics.path, "is missing (it holds the evaluations made before the checkpoint)")
+        metrics.read()
+    if stop_after is not None and tuple(stop_after) <= (stage, step):
+        raise GlaswapError(f"--stop-after {stop_after[0]}:{stop_after[1]} is not after the checkpoint the run "
+                           f"resumes from (stage {stage} step {step}); give a later step or leave it out")
 
 
 def length_defaults(recipe: Recipe) -> dict:
@@ -255,18 +322,30 @@ def length_defaults(recipe: Recipe) -> dict:
     return defaults
 
 
-def _prepare_run_folder(run: Path, recipe: Recipe, resume: bool, force: bool, trust_remote_code: bool, log):
-    """The run folder: resolved recipe, and the converted (step-0) model."""
+def _prepare_run_folder(run: Path, out: Path, recipe: Recipe, resume: bool, force: bool, trust_remote_code: bool,
+                        log):
+    """The run folder: its marker, the resolved recipe, and the converted (step-0) model. Each
+    file is written atomically: a full disk leaves the one before or none, never half a file."""
     from glaswap.convert import convert
 
     if force:
         shutil.rmtree(run, ignore_errors=True)
     run.mkdir(parents=True, exist_ok=True)
+    if not (run / RUN_MARKER).is_file():
+        atomic_write(run / RUN_MARKER, lambda tmp: tmp.write_text(json.dumps({"output": str(out)}) + "\n"))
     resolved = dump_recipe(recipe)
-    if resume and (run / "recipe.yaml").read_text() != resolved:
-        raise GlaswapError(f"the recipe differs from the one {run} started with; resume with the same "
-                           f"recipe and overrides, or pass --force to restart")
-    (run / "recipe.yaml").write_text(resolved)
+    if resume:
+        try:
+            started_with = (run / "recipe.yaml").read_text()
+        except (OSError, UnicodeDecodeError) as e:
+            raise damaged(run / "recipe.yaml", f"cannot be read ({type(e).__name__})")
+        if not started_with.strip():
+            raise damaged(run / "recipe.yaml", "is empty")
+        if started_with != resolved:
+            raise GlaswapError(f"the recipe differs from the one {run} started with; resume with the same "
+                               f"recipe and overrides, or pass --force to restart")
+    else:
+        atomic_write(run / "recipe.yaml", lambda tmp: tmp.write_text(resolved))
     if not (run / "converted" / "glaswap.json").is_file():
         shutil.rmtree(run / "converted", ignore_errors=True)
         options = length_defaults(recipe) | conversion_options(recipe)
