@@ -165,3 +165,28 @@ def test_wheel_install_lists_copies_and_distils_outside_the_checkout(tmp_path):
     for name in ("model.safetensors", "config.json", "recipe.yaml", "eval.json", "adapter/adapter_config.json"):
         assert (work / "out" / name).is_file(), name
     assert load_recipe(work / "out" / "recipe.yaml").name == "smollm2-135m-demo"
+
+
+def test_recipes_cp_onto_a_dangling_symlink_needs_force(tmp_path):
+    link = tmp_path / "mine.yaml"
+    link.symlink_to(tmp_path / "gone.yaml")
+    line = _one_line_error(["recipes", "cp", "smollm2-135m-demo", link])
+    assert "symbolic link" in line and "--force" in line, line
+    assert link.is_symlink() and not (tmp_path / "gone.yaml").exists()
+    result = CliRunner().invoke(main, ["recipes", "cp", "smollm2-135m-demo", str(link), "--force"])
+    assert result.exit_code == 0 and not link.is_symlink() and link.is_file(), result.output
+
+
+def test_recipes_cp_to_an_unwritable_or_impossible_destination_one_line(tmp_path):
+    a_file = tmp_path / "file.txt"
+    a_file.write_text("")
+    if os.geteuid() == 0:
+        unwritable = Path("/sys/kernel")                  # root passes permission bits; sysfs refuses
+    else:
+        unwritable = tmp_path / "readonly"
+        unwritable.mkdir()
+        unwritable.chmod(0o555)
+    for dest in (a_file / "x.yaml", unwritable / "x.yaml"):
+        line = _one_line_error(["recipes", "cp", "smollm2-135m-demo", dest])
+        assert f"cannot write {dest}" in line, line
+    assert a_file.read_text() == ""
