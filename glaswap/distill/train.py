@@ -60,8 +60,8 @@ def distill(recipe: Recipe, out=None, resume: bool = False, force: bool = False,
 
     `stop_after=(stage, step)` stops like Ctrl-C right after that step (checkpoint written;
     at a stage's last step, before its evaluation); STEP runs from 1 to the stage's steps, and
-    a resumed run stops only at a step after its checkpoint. The resume tests use it. `trust_remote_code` lets the tokenizer run Python code its folder
-    ships. Under torchrun this closes the process group it started; a script of your own
+    a resumed run stops only at a step after its checkpoint. The resume tests use it.
+    `trust_remote_code` lets the tokenizer run Python code its folder ships. Under torchrun this closes the process group it started; a script of your own
     should then end with `os._exit(0)` as `glaswap distill` does (see `_end_torchrun_worker`
     in glaswap/cli.py for the gloo shutdown race it avoids).
     """
