@@ -244,9 +244,10 @@ HEADLINE = {"piqa": "acc", "hellaswag": "acc_norm", "winogrande": "acc", "arc_ea
 
 def score_tasks(model_dir, shots: dict[str, int], teacher: str = "auto", limit: int | None = None,
                 batch_size: int = 8, device: str = "auto", dtype: str = "auto", trust_remote_code: bool = False,
-                log=print) -> dict:
+                writes=None, log=print) -> dict:
     """The student and its teacher on the same items with the same shots ({task: shots}, from
-    parse_tasks); returns tasks.json's content."""
+    parse_tasks); returns tasks.json's content. writes: the folder the results go to, checked
+    writable before anything loads."""
     import logging
 
     from lm_eval.tasks import TaskManager
@@ -272,7 +273,7 @@ def score_tasks(model_dir, shots: dict[str, int], teacher: str = "auto", limit: 
         return manager, configs
 
     opened = open_model(model_dir, device, dtype, teacher=teacher, trust_remote_code=trust_remote_code,
-                        before_load=prepare, log=log)
+                        before_load=prepare, writes=writes, log=log)
     manager, configs = opened.prepared
     dev, dt, tok, t_desc = opened.device, opened.dtype, opened.tokenizer, opened.teacher_desc
     started = time.time()
@@ -383,9 +384,9 @@ def evaluate_tasks(model_dir, spec: str, num_fewshot: int | None = None, limit: 
     shots = parse_tasks(spec, num_fewshot)
     if importlib.util.find_spec("lm_eval") is None:
         raise GlaswapError("--tasks needs lm-evaluation-harness; pip install 'glaswap[tasks]'")
-    result = score_tasks(model_dir, shots, teacher=teacher, limit=limit, batch_size=batch_size, device=device,
-                         dtype=dtype, trust_remote_code=trust_remote_code, log=log)
     out = Path(out) if out is not None else Path(model_dir) / "eval"
+    result = score_tasks(model_dir, shots, teacher=teacher, limit=limit, batch_size=batch_size, device=device,
+                         dtype=dtype, trust_remote_code=trust_remote_code, writes=out, log=log)
     atomic_write(out / "tasks.json", lambda p: p.write_text(json.dumps(result, indent=2) + "\n"))
     written = [out / "tasks.json"]
     if importlib.util.find_spec("matplotlib") is not None:

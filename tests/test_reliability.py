@@ -207,6 +207,8 @@ def test_unwritable_out_is_refused_before_loading(converted, tmp_path, monkeypat
         evaluate(folder, [text], teacher="self", context=16, out=blocker, progress=False, log=_quiet)
     one_line_error(cli("passkey", folder, "--lengths", 64, "--no-teacher", "--out", blocker / "sub"), "a-file")
     one_line_error(cli("generate", folder, "--bench", "--teacher", "none", "--out", blocker / "sub"), "a-file")
+    one_line_error(cli("eval", folder, "--tasks", "piqa", "--limit", 2, "--teacher", "self", "--out", blocker / "sub"),
+                   "a-file")
 
     def read_only(*_a, **_k):
         raise OSError(errno.EROFS, "Read-only file system")

@@ -46,8 +46,11 @@ def build_student(converted: Path, recipe: Recipe, dtype) -> Student:
     run, which lets FSDP shard it once. All new and LoRA parameters require grad; each
     stage's optimizer takes the ones it trains."""
     from glaswap.models.modeling_glaswap import GLASwapForCausalLM
+    from glaswap.runtime import check_loaded_keys
 
-    return prepare_student(GLASwapForCausalLM.from_pretrained(str(converted), dtype=dtype), recipe)
+    lm, info = GLASwapForCausalLM.from_pretrained(str(converted), dtype=dtype, output_loading_info=True)
+    check_loaded_keys(info, converted)   # a run folder's config.json and weights must agree
+    return prepare_student(lm, recipe)
 
 
 def prepare_student(lm, recipe: Recipe) -> Student:
