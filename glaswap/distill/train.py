@@ -202,11 +202,15 @@ def _distill(recipe: Recipe, out: Path, folder: Path, resume: bool, force: bool,
 
     # ---- output
     meta = json.loads((converted / "glaswap.json").read_text())
-    meta["converted"] = str(converted)
+    # the step-0 model lived in the run folder, which goes at the end: what identifies it is
+    # its weights' fingerprint (its options and source are the fields beside this one)
+    meta["converted"] = {"fingerprint": belongs["model"]}
     meta["distill"] = {"recipe": recipe.name, "stage1_steps": s1.steps, "stage2_steps": s2.steps,
                        "train_tokens": data.train.n_tokens, "heldout_tokens": data.heldout.n_tokens,
                        "eval_tokens": data.eval.n_tokens, "device": str(device), "dtype": str(dtype),
-                       "world_size": dist.world}
+                       "world_size": dist.world,
+                       # this process's time: a resumed run's earlier part is not counted
+                       "seconds": round(time.time() - started, 1), "resumed": bool(ckpt)}
     meta["eval"] = evals
     if selection is not None:
         meta["options"] = dict(meta["options"], softmax_layers=selection["layers"])
@@ -220,7 +224,8 @@ def _distill(recipe: Recipe, out: Path, folder: Path, resume: bool, force: bool,
     def save():
         _save_final(out, force, trained, data.tokenizer, recipe, folder, meta, out_dtype, log)
         shutil.rmtree(folder, ignore_errors=True)
-        log(f"wrote {out}")
+        for line in summary_lines(meta, out, time.time() - started):
+            log(line)
 
     dist.main_only(save)
     if recipe.output.tasks:
@@ -364,23 +369,29 @@ def _check_auto(recipe: Recipe, num_layers: int) -> int | None:
 
 # ----------------------------------------------------------------------------- evaluation
 def _evaluate(run: RunState, lm, data: D.RunData, stage: int, steps: int, log) -> dict:
-    """Teacher and student perplexity on the evaluation text (and on each extra set, under
-    "extra"), logged and printed."""
+    """Teacher and student perplexity on every evaluation set, logged and printed. The main
+    set's figures (data.eval, else the held-out part) are the result's own; the held-out
+    part, when data.eval is the main set, is under "heldout", each extra set under "extra".
+    Every entry names its text."""
     recipe = run.recipe
     bs = max(recipe.stage1.batch_size, recipe.stage2.batch_size)
-    result = evaluate_blocks(lm, data.eval_blocks, recipe.data.eval_tokens, bs, run.device, run.dtype, run.dist)
-    if result:
-        run.metrics.log(stage=stage, step=steps, event="eval", **result)
-        log(f"after stage {stage}: teacher ppl {result['teacher_ppl']:.2f}, "
-            f"student ppl {result['student_ppl']:.2f}")
-    for name, extra in data.extra_blocks.items():
-        res = evaluate_blocks(lm, extra, recipe.data.eval_tokens, bs, run.device, run.dtype, run.dist)
+    result = {}
+    for es in data.eval_sets:
+        res = evaluate_blocks(lm, es.blocks, recipe.data.eval_tokens, bs, run.device, run.dtype, run.dist)
         if not res:                                 # data.eval_tokens = 0: no evaluation
             continue
-        result.setdefault("extra", {})[name] = res
-        run.metrics.log(stage=stage, step=steps, event="eval", set=name, **res)
-        log(f"after stage {stage} [{name}]: teacher ppl {res['teacher_ppl']:.2f}, "
-            f"student ppl {res['student_ppl']:.2f}")
+        res = {"text": es.text, **res}
+        if es.name == data.main_name:
+            result.update(res)
+            run.metrics.log(stage=stage, step=steps, event="eval", **res)
+        else:
+            if es.name == D.HELDOUT:
+                result["heldout"] = res
+            else:
+                result.setdefault("extra", {})[es.name] = res
+            run.metrics.log(stage=stage, step=steps, event="eval", set=es.name, **res)
+        log(f"after stage {stage} [{es.name}]: teacher ppl {res['teacher_ppl']:.2f}, "
+            f"student ppl {res['student_ppl']:.2f} ({res['tokens']:,} tokens)")
     return result
 
 
@@ -390,9 +401,50 @@ def _logged_evaluation(metrics: Metrics, stage: int) -> dict:
     drop = ("stage", "step", "event", "set")
     result = next(({k: v for k, v in r.items() if k not in drop} for r in logged if "set" not in r), {})
     for r in logged:
-        if "set" in r:
-            result.setdefault("extra", {})[r["set"]] = {k: v for k, v in r.items() if k not in drop}
+        figures = {k: v for k, v in r.items() if k not in drop}
+        if r.get("set") == D.HELDOUT:
+            result["heldout"] = figures
+        elif "set" in r:
+            result.setdefault("extra", {})[r["set"]] = figures
     return result
+
+
+def _duration(seconds: float) -> str:
+    seconds = int(round(seconds))
+    if seconds < 60:
+        return f"{seconds} s"
+    if seconds < 3600:
+        return f"{seconds // 60} min {seconds % 60} s"
+    return f"{seconds // 3600} h {seconds // 60 % 60} min"
+
+
+def summary_lines(meta: dict, out: Path, seconds: float) -> list[str]:
+    """The lines a run ends with: each text the last evaluation scored (its name, tokens,
+    teacher and student perplexity), the `seconds` this process took, and where the model and
+    its files are."""
+    evals = meta.get("eval", {})
+    last = next((name for name in ("stage2", "stage1") if evals.get(name)), None)
+    took = _duration(seconds)
+    if meta["distill"].get("resumed"):
+        took += " (since --resume)"
+    lines = []
+    if last is None:
+        lines.append(f"distilled in {took}; no evaluation text was scored (data.eval_tokens 0 or no text)")
+    else:
+        ev = evals[last]
+        lines.append(f"distilled in {took}; after stage {last[-1]}, perplexity of teacher and student on:")
+        sets = ([ev] if "tokens" in ev else []) + ([ev["heldout"]] if "heldout" in ev else [])
+        sets += list(ev.get("extra", {}).values())
+        for res in sets:
+            lines.append(f"  {res.get('text', '?')}, {res['tokens']:,} tokens: teacher {res['teacher_ppl']:.2f}, "
+                         f"student {res['student_ppl']:.2f}")
+    lines.append(f"model: {out}/ (loads like a converted model)")
+    for name, what in (("eval.json", "every evaluation, each naming its text"),
+                       ("loss.png", "the losses per step and the evaluations"),
+                       ("adapter", "the LoRA adapter")):
+        if (out / name).exists():
+            lines.append(f"  {out / name}: {what}")
+    return lines
 
 
 # ----------------------------------------------------------------------------- output
@@ -462,32 +514,68 @@ def _copy_ranking(run: Path, out: Path, selection: dict):
 
 
 def _plot_losses(records, path: Path):
-    """loss.png; skipped without matplotlib (the `plots` extra): metrics.jsonl has the figures."""
+    """loss.png: each stage's loss per step (left axis) and its evaluations, teacher and student
+    perplexity per scored set (right axis, at the step after which they ran). Skipped without
+    matplotlib (the `plots` extra): metrics.jsonl has the figures."""
     if importlib.util.find_spec("matplotlib") is None:
         return
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib import ticker
 
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    evals = [r for r in records if r.get("event") == "eval" and r.get("stage") in (1, 2)]
+    names = list(dict.fromkeys(r.get("set", "") for r in evals))   # "" is the main set
+    colours = {name: f"C{3 + i}" for i, name in enumerate(names)}
+    fig, axes = plt.subplots(1, 2, figsize=(12, 5.4))
     for ax, stage, title in ((axes[0], 1, "stage 1: attention transfer (MSE)"),
                              (axes[1], 2, "stage 2: LoRA distillation (KL)")):
         rows = [r for r in records if r.get("stage") == stage and "loss" in r]
+        handles = []
         if rows:
             steps = [r["step"] for r in rows]
-            ax.plot(steps, [r["loss"] for r in rows], lw=1.2, label="loss")
+            handles += ax.plot(steps, [r["loss"] for r in rows], lw=1.2, label="loss")
             # with a cross-entropy weight, stage 2's two terms apart (the loss is kl + w * ce)
             terms = [name for name in ("kl", "ce") if all(name in r for r in rows)]
             for name in terms:
-                ax.plot(steps, [r[name] for r in rows], lw=0.9, alpha=0.8, label=name)
+                handles += ax.plot(steps, [r[name] for r in rows], lw=0.9, alpha=0.8, label=name)
             if terms:
-                ax.legend()
                 title = title.replace("(KL)", "(KL + weighted CE)")
-            ax.set_yscale("log")
+            values = [r[k] for r in rows for k in ["loss", *terms] if r[k] > 0]
+            # a log axis only where the values span a decade or more; plain decimals either way
+            if values and max(values) >= 10 * min(values):
+                ax.set_yscale("log")
+                ax.yaxis.set_major_locator(ticker.LogLocator(subs=(1.0, 2.0, 5.0)))
+                ax.yaxis.set_minor_formatter(ticker.NullFormatter())
+            ax.yaxis.set_major_formatter(ticker.FuncFormatter(lambda y, _pos: f"{y:.4g}"))
+        ax.xaxis.set_major_locator(ticker.MaxNLocator(integer=True))
+        stage_evals = [r for r in evals if r["stage"] == stage]
+        if stage_evals:
+            right = ax.twinx()
+            for r in stage_evals:
+                name = r.get("set", "")
+                label = r.get("text", name or "evaluation").split(" (")[0]
+                c = colours[name]
+                handles += right.plot([r["step"]], [r["teacher_ppl"]], "D", mfc="none", color=c, ms=7,
+                                      label=f"teacher ppl, {label}")
+                handles += right.plot([r["step"]], [r["student_ppl"]], "o", color=c, ms=6,
+                                      label=f"student ppl, {label}")
+                right.annotate(f"{r['student_ppl']:.2f} / {r['teacher_ppl']:.2f}", (r["step"], r["student_ppl"]),
+                               textcoords="offset points", xytext=(-6, 6), ha="right", fontsize=8, color=c)
+            right.margins(x=0.05, y=0.2)
+            right.set_ylabel("perplexity after the stage (student / teacher)")
+            right.yaxis.set_major_formatter(ticker.FuncFormatter(lambda y, _pos: f"{y:.4g}"))
+        if handles:
+            # below the panel, where it covers no curve or marker
+            ax.legend(handles=handles, fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.14), ncol=3)
         ax.set_title(title)
         ax.set_xlabel("step")
         ax.set_ylabel("loss")
         ax.grid(alpha=0.3)
-    fig.tight_layout()
+    # what the per-step curves are (run_stage logs the loss of each step's own micro-batches,
+    # drawn from the training blocks by step), so a curve that ends above its start is read right
+    fig.text(0.5, 0.01, "each step's loss is on that step's own batch, so it moves with the batch; "
+             "the markers are evaluations on fixed texts", ha="center", fontsize=8, style="italic")
+    fig.tight_layout(rect=(0, 0.03, 1, 1))
     fig.savefig(path, dpi=120)
     plt.close(fig)
