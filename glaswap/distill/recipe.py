@@ -433,11 +433,14 @@ _NOT_TRAINING = {"train": ("checkpoint_every", "log_every", "threads", "distribu
                  "data": ("eval", "extra_eval", "eval_tokens")}
 
 
-def training_hash(recipe: Recipe) -> str:
+def training_hash(recipe: Recipe, world: int = 1) -> str:
     """A hash of the recipe's settings that shape the trained tensors (model, training data,
     stages, seed, device and dtype), not those of its output, logging or evaluation: what a
-    checkpoint records to be resumed only by the run it belongs to."""
+    checkpoint records to be resumed only by the run it belongs to. Batch sizes count over all
+    `world` processes (a run saved with N processes resumes with M at the same global batch)."""
     settings = recipe.to_dict()
+    for stage in ("stage1", "stage2"):
+        settings[stage]["batch_size"] *= world
     settings.pop("output")
     settings.pop("name")
     for section, keys in _NOT_TRAINING.items():

@@ -109,7 +109,7 @@ def _distill(recipe: Recipe, out: Path, folder: Path, resume: bool, force: bool,
         step0 = read_json_file(converted / "glaswap.json").get("step0", {})
         # what each checkpoint records and a resumed run checks: the training settings, and
         # the weights it trains on (another model of the same shape fits the tensors too)
-        belongs = {"recipe": training_hash(recipe), "model": model_fingerprint(converted)}
+        belongs = {"recipe": training_hash(recipe, dist.world), "model": model_fingerprint(converted)}
         data = D.load_run_data(converted, recipe, log, trust_remote_code)
         torch.manual_seed(recipe.train.seed)
         student = build_student(converted, recipe, dist.storage_dtype(dtype))
