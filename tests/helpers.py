@@ -154,3 +154,35 @@ def ascii_tokenizer(**special):
     vocab = {chr(i): i for i in range(128)}
     tok = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="\x00"))
     return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="\x00", **special)
+
+
+def cli(*args):
+    """glaswap's CLI in-process, every argument as a string."""
+    from click.testing import CliRunner
+
+    from glaswap.cli import main
+    return CliRunner().invoke(main, [str(a) for a in args])
+
+
+def one_line_error(result, *needles) -> str:
+    """The one "Error:" line a failed command ends with (after any progress lines), no
+    traceback and no usage text; it holds every needle."""
+    lines = [line for line in result.output.strip().splitlines() if line.strip()]
+    errors = [line for line in lines if line.startswith("Error:")]
+    assert result.exit_code == 1 and len(errors) == 1 and lines[-1] == errors[0], result.output[-3000:]
+    assert "Traceback" not in result.output and "Usage:" not in result.output
+    assert result.exception is None or isinstance(result.exception, SystemExit), result.exception
+    for needle in needles:
+        assert needle in errors[0], errors[0]
+    return errors[0]
+
+
+def unwritable_folder(tmp_path) -> Path:
+    """A folder nothing can be written into, also for root (who passes permission bits: sysfs
+    refuses)."""
+    if os.geteuid() == 0:
+        return Path("/sys/kernel")
+    folder = tmp_path / "readonly"
+    folder.mkdir()
+    folder.chmod(0o555)
+    return folder

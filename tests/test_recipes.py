@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
-from helpers import REPO, tiny_recipe
+from helpers import REPO, tiny_recipe, unwritable_folder
 
 from glaswap.cli import main
 from glaswap.distill import load_recipe
@@ -180,12 +180,7 @@ def test_recipes_cp_onto_a_dangling_symlink_needs_force(tmp_path):
 def test_recipes_cp_to_an_unwritable_or_impossible_destination_one_line(tmp_path):
     a_file = tmp_path / "file.txt"
     a_file.write_text("")
-    if os.geteuid() == 0:
-        unwritable = Path("/sys/kernel")                  # root passes permission bits; sysfs refuses
-    else:
-        unwritable = tmp_path / "readonly"
-        unwritable.mkdir()
-        unwritable.chmod(0o555)
+    unwritable = unwritable_folder(tmp_path)
     for dest in (a_file / "x.yaml", unwritable / "x.yaml"):
         line = _one_line_error(["recipes", "cp", "smollm2-135m-demo", dest])
         assert f"cannot write {dest}" in line, line

@@ -12,11 +12,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from click.testing import CliRunner
 import helpers
-from helpers import converted_tiny, save_teacher, tiny_teacher
+from helpers import cli, converted_tiny, one_line_error, save_teacher, tiny_teacher
 
-from glaswap.cli import main
 from glaswap.convert import convert
 from glaswap.errors import GlaswapError
 from glaswap.evaluate import evaluate
@@ -31,20 +29,6 @@ def _quiet(*_a, **_k):
     pass
 
 
-def cli(*args):
-    return CliRunner().invoke(main, [str(a) for a in args])
-
-
-def one_line_error(result, *needles) -> str:
-    """The one "Error:" line a failed command ends with, no traceback and no usage text."""
-    lines = [line for line in result.output.strip().splitlines() if line.strip()]
-    errors = [line for line in lines if line.startswith("Error:")]
-    assert result.exit_code == 1 and len(errors) == 1 and lines[-1] == errors[0], result.output[-3000:]
-    assert "Traceback" not in result.output and "Usage:" not in result.output
-    assert result.exception is None or isinstance(result.exception, SystemExit), result.exception
-    for needle in needles:
-        assert needle in errors[0], errors[0]
-    return errors[0]
 
 
 @pytest.fixture(scope="module")

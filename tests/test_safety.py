@@ -26,7 +26,7 @@ import pytest
 import torch
 from click.testing import CliRunner
 import helpers
-from helpers import save_teacher, tiny_recipe, tiny_teacher, tree_digest
+from helpers import cli, one_line_error, save_teacher, tiny_recipe, tiny_teacher, tree_digest, unwritable_folder
 from safetensors.torch import load_file, save_file
 
 from glaswap.cli import main
@@ -65,19 +65,6 @@ def teacher_with_tokenizer(folder: Path) -> Path:
     return folder
 
 
-def cli(*args):
-    return CliRunner().invoke(main, [str(a) for a in args])
-
-
-def one_line_error(result, *needles) -> str:
-    """The one "Error:" line a failed command ends with (after any progress lines), no traceback."""
-    lines = [line for line in result.output.strip().splitlines() if line.strip()]
-    errors = [line for line in lines if line.startswith("Error:")]
-    assert result.exit_code == 1 and len(errors) == 1 and lines[-1] == errors[0], result.output[-3000:]
-    assert "Traceback" not in result.output and not isinstance(result.exception, (AssertionError, TypeError))
-    for needle in needles:
-        assert needle in errors[0], errors[0]
-    return errors[0]
 
 
 @pytest.fixture
@@ -709,12 +696,8 @@ def test_unusable_cache_folder_one_line_and_no_run_folder(tmp_path, monkeypatch,
     if kind == "a file":
         cache = tmp_path / "cache"
         cache.write_text("")
-    elif os.geteuid() == 0:
-        cache = Path("/sys/kernel")                       # root passes permission bits; sysfs refuses
     else:
-        cache = tmp_path / "readonly"
-        cache.mkdir()
-        cache.chmod(0o555)
+        cache = unwritable_folder(tmp_path)
     monkeypatch.setenv("GLASWAP_CACHE", str(cache))
     res = cli("distill", "--recipe", path, f"data.train=[{{path: {text}}}]", "--out", tmp_path / "o")
     one_line_error(res, f"cache folder {cache}", "GLASWAP_CACHE")
