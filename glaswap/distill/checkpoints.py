@@ -12,7 +12,6 @@ same shape or a step the recipe does not have is refused in one line, as is a da
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import shutil
@@ -74,24 +73,17 @@ def safetensors_header(path: Path) -> tuple[bytes, dict]:
 
 
 def model_fingerprint(folder: Path) -> str:
-    """A fingerprint of a model folder's weights: each safetensors file's name, header and
-    size, and 64 blocks of 64 KiB read evenly across its data. Another model of the same
-    shape differs in those bytes, a damaged file in its size or header; reading a few MB
-    keeps it fast for any model size. `damaged` for a file that is not whole."""
-    h = hashlib.sha256()
+    """A fingerprint of a model folder's weights, the one convert records of a teacher
+    (runtime.source_fingerprint: names, sizes, headers and the ends of each file), after each
+    safetensors header is read: `damaged` for a file that is missing or not whole."""
+    from glaswap.runtime import source_fingerprint
+
     files = sorted(Path(folder).glob("*.safetensors"))
     if not files:
         raise damaged(Path(folder) / "model.safetensors", "is missing")
     for f in files:
-        raw, _ = safetensors_header(f)
-        size = f.stat().st_size
-        h.update(f"{f.name}:{size}:".encode() + raw)
-        block, start = 1 << 16, 8 + len(raw)
-        with open(f, "rb") as fh:
-            for i in range(64):
-                fh.seek(start + (size - start - block) * i // 63 if size - start > block else start)
-                h.update(fh.read(block))
-    return h.hexdigest()[:24]
+        safetensors_header(f)
+    return source_fingerprint("folder", Path(folder))["sha256"][:24]
 
 
 class Metrics:
