@@ -189,9 +189,8 @@ class _StaticStep:
                 continue                                           # already in place
             buf.valid.zero_()
             if n:
-                buf.keys[:, :, :n].copy_(src.keys[:, :, :n])
-                buf.values[:, :, :n].copy_(src.values[:, :, :n])
-                buf.valid[:, :n].copy_(src.valid[:, :n])
+                for mine, theirs in zip(buf.tensors(), src.tensors()):
+                    mine[:, :, :n].copy_(theirs[:, :, :n]) if mine.dim() == 4 else mine[:, :n].copy_(theirs[:, :n])
         empty = None
         for i, buf in enumerate(self.windows):
             if buf is None:

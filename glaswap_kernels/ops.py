@@ -40,12 +40,12 @@ BACKENDS = ("auto", "triton", "torch")
 def _use_triton(x, backend):
     if backend not in BACKENDS:
         raise ValueError(f"unknown GLA backend {backend!r}; choose one of {', '.join(BACKENDS)}")
-    if backend == "torch":
+    if backend == "torch" or (backend == "auto" and not x.is_cuda):   # auto: Triton on CUDA only
         return False
     ok = HAS_TRITON and (x.is_cuda or interpreting())
     if backend == "triton" and not ok:
         raise RuntimeError("the Triton GLA kernels need Triton and a CUDA tensor (or TRITON_INTERPRET=1)")
-    return ok and (backend == "triton" or x.is_cuda)
+    return ok
 
 
 def with_ones(v):

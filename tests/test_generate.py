@@ -701,7 +701,7 @@ def test_prompts_read_into_a_cache_take_the_window_kernel(folders, variant, monk
     """A prompt into an empty cache, and one after a full cache (chat turns), read through the
     whole-sequence window kernel, never the buffer read, and give the whole-sequence logits
     and the buffers a token-by-token read leaves."""
-    from glaswap.layers import hybrid_cache
+    from glaswap.layers import gla_attention, hybrid_cache
 
     model = _load(folders[variant])
     ids = torch.tensor([[(7 * i + 3) % 120 + 1 for i in range(40)]])
@@ -718,11 +718,15 @@ def test_prompts_read_into_a_cache_take_the_window_kernel(folders, variant, monk
             return real(q_r, *args, **kwargs)
 
         monkeypatch.setattr(hybrid_cache, "window_over_buffer", decode_only)
+        orders = []     # how each prompt stands to the cache is found once per call, not per layer
+        monkeypatch.setattr(gla_attention, "prompt_order",
+                            lambda *a: orders.append(hybrid_cache.prompt_order(*a)) or orders[-1])
         cache, logits = None, []
         for a, b in cuts:
             out = model(ids[:, a:b], past_key_values=cache, use_cache=True)
             cache = cache_of(out)
             logits.append(out.logits)
+    assert orders == ["empty", "full", "full"]
     torch.testing.assert_close(torch.cat(logits, 1), whole, rtol=1e-4, atol=1e-4)
     for mine, theirs in zip(cache.windows, cache_of(slow).windows):
         for x, y in zip(mine.tensors(), theirs.tensors()):

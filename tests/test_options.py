@@ -107,7 +107,7 @@ def test_base_record_command_gives_back_the_options(tmp_path):
     options = {"gate": "scalar", "gate_rank": 4, "gate_init_decay": 0.9, "feature_map": "hedgehog_pm",
                "normalizer": True, "use_rope": False, "rope_max_wavelength": 512.0, "decay_horizon": 100.0,
                "state_heads": "query", "window": 8, "sinks": 2, "window_mix": "learned", "sparse_cache": 4,
-               "softmax_layers": [1, 3]}
+               "softmax_layers": [1, 3], "softmax_max_distance": 4096}
     assert set(options) == {n for n, o in GLA_OPTIONS.items() if o.flag}
     full = {name: opt.default for name, opt in GLA_OPTIONS.items()} | options
     meta = {"options": full, "dtype": "float32", "seed": 3, "source": {}}

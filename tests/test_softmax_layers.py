@@ -26,6 +26,8 @@ VARIANTS = {
     "window": ("llama", {"softmax_layers": [2], "window": 3, "sinks": 1}),           # hybrid beside softmax
     "sparse": ("llama", {"softmax_layers": [0, 3], "window": 3, "sinks": 1, "sparse_cache": 2}),
     "mistral-sliding": ("mistral", {"softmax_layers": [1, 2]}),                    # the teacher's sliding window
+    "capped": ("llama", {"softmax_layers": [1, 3], "softmax_max_distance": 4}),    # distances past 4 capped
+    "capped-window": ("llama", {"softmax_layers": [0, 2], "window": 3, "sinks": 1, "softmax_max_distance": 5}),
 }
 EXACT = [v for v, (_, opts) in VARIANTS.items() if not opts.get("sparse_cache")]
 
@@ -257,7 +259,7 @@ def test_mixed_cache_over_several_calls_equals_a_full_forward(variant, padded, m
         assert (cache.states[i] is None) == (i in model.config.softmax_layers)
 
 
-@pytest.mark.parametrize("variant", ["llama", "window", "sparse"])
+@pytest.mark.parametrize("variant", ["llama", "window", "sparse", "capped"])
 def test_left_padded_generate_matches_each_row_alone(variant):
     model = _student(variant)
     rows = [[7, 33, 91, 12, 5, 60, 61], [44, 18, 70]]
@@ -301,7 +303,7 @@ def test_decode_memory_grows_only_in_the_softmax_layers():
 
 
 # ----------------------------------------------------------------------------- decode graph
-@pytest.mark.parametrize("variant", ["llama", "window", "sparse", "mistral-sliding"])
+@pytest.mark.parametrize("variant", ["llama", "window", "sparse", "mistral-sliding", "capped", "capped-window"])
 def test_graph_decode_of_a_mixed_model_matches_eager(variant, monkeypatch):
     """The graph path's static buffers, run eagerly ("replay"), captured again as the KV grows."""
     monkeypatch.setattr(decode_graph, "KV_STEP", 4)
@@ -410,7 +412,7 @@ def test_glaswap_generate_runs_a_mixed_model(mixed_folder, tmp_path):
 # ----------------------------------------------------------------------------- on a GPU
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("variant", ["llama", "window", "sparse"])
+@pytest.mark.parametrize("variant", ["llama", "window", "sparse", "capped"])
 def test_cuda_graph_decode_of_a_mixed_model_matches_eager_on_gpu(variant, dtype, monkeypatch):
     """Captured CUDA graphs, captured again as the KV outgrows them, against eager decoding;
     then a bench row: decode memory grows only with the softmax layers' KV."""

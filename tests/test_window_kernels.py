@@ -157,6 +157,15 @@ def test_windows_and_sinks(window, sinks):
 
 
 @needs_kernels
+@pytest.mark.parametrize("T,seqs", [(45, None), (70, [9, 1, 40, 20])])
+def test_every_older_key_a_sink(T, seqs):
+    # a softmax layer's distance cap: sinks = T, so each key W or more back takes the split
+    # scores (full causal attention in two regions, many sink tiles per query block)
+    compare(B=1 if seqs else 2, T=T, H=4, Hkv=2, D=48, window=7, sinks=T, seqs=seqs, split=True,
+            tiles=dict(BM=16, BN=16, BS=16))
+
+
+@needs_kernels
 @pytest.mark.parametrize("T,seqs,tiles", [(1, None, None), (37, None, None), (130, None, None),
                                           (60, [5, 1, 37, 6, 1, 10], dict(BM=16, BN=16))])
 def test_split_sinks(T, seqs, tiles):

@@ -15,14 +15,15 @@ public utilities, the other files of glaswap.layers and the GLA ops, never the r
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from glaswap.layers.hybrid_cache import ExactInputs, HybridBuffers, StreamLayer, stream
-from glaswap.layers.softmax_attention import cached_softmax_attention, softmax_attention
+from glaswap.layers.hybrid_cache import ExactInputs, HybridBuffers, StreamLayer, prompt_order, stream
+from glaswap.layers.softmax_attention import DistanceCap, cached_softmax_attention, softmax_attention
 from glaswap_kernels.ops import (chunk_gla, decode_step, feature_map, gate_logsigmoid, normalize, rope, window_attention,
                                  window_mix, with_ones)
 
@@ -156,6 +157,7 @@ class GLAAttention(nn.Module):
             self.k_norm = RMSNorm(self.head_dim, eps=config.rms_norm_eps)
         self._rope_keep = None   # rope_kept_dims as cos's dtype and device, made on first use
         self._sink_turn = None   # (cos, sin) of sink_rotation, made on first use
+        self._cap = None         # a softmax layer's DistanceCap, made on first use
         if self.is_softmax:
             return
 
@@ -263,7 +265,7 @@ class GLAAttention(nn.Module):
         teacher's in "transfer" mode, None otherwise."""
         if self.is_softmax:
             return self._softmax_layer(hidden_states, position_embeddings, attention_mask, past_key_values,
-                                       cu_seqlens), None
+                                       cu_seqlens, position_ids), None
         if self.mode == "transfer":
             # Attention transfer: this layer's gate and feature maps learn on the teacher's own
             # inputs and projections, held fixed. Without the detach each layer's loss would run
@@ -281,23 +283,34 @@ class GLAAttention(nn.Module):
         return self._gla(hidden_states, q, k, v, position_embeddings, attention_mask,
                          past_key_values, cu_seqlens, position_ids), None
 
-    def _softmax_layer(self, x, position_embeddings, attention_mask, cache, cu_seqlens):
-        """A softmax layer's output in every mode: the teacher's attention, through the cache's
-        KVBuffer when there is one. In "transfer" mode it has nothing to learn, so it runs as the
-        teacher does there, without gradients."""
-        if self.mode == "transfer":
-            with torch.no_grad():
-                q, k, v = self._project(x.detach())
-                return self._teacher(q, k, v, position_embeddings, attention_mask, cu_seqlens)
-        q, k, v = self._project(x)
-        if cache is None:
-            return self._teacher(q, k, v, position_embeddings, attention_mask, cu_seqlens)
+    def _softmax_layer(self, x, position_embeddings, attention_mask, cache, cu_seqlens, position_ids=None):
+        """A softmax layer's output in every mode: the teacher's attention with the layer's
+        distance cap, through the cache's KVBuffer when there is one. In "transfer" mode it has
+        nothing to learn, so it runs without gradients."""
+        cfg = self.config
+        with torch.no_grad() if self.mode == "transfer" else contextlib.nullcontext():
+            q, k, v = self._project(x.detach() if self.mode == "transfer" else x)
+            cap = self._distance_cap(q.device)
+            if cache is None:
+                return self.o_proj(softmax_attention(q, k, v, position_embeddings, attention_mask, cu_seqlens,
+                                                     cfg.sliding_window, cap, position_ids, cfg.gla_backend))
         T = q.shape[1]
         valid = attention_mask[:, -T:].bool() if attention_mask is not None and attention_mask.dim() == 2 else None
         o, kv = cached_softmax_attention(q, k, v, position_embeddings, cache.kv_buffer(self.layer_idx), valid,
-                                         self.config.sliding_window, cache.kv_write_at)
+                                         cfg.sliding_window, cache.kv_write_at, position_ids, cap)
         cache.set_kv_buffer(self.layer_idx, kv)
         return self.o_proj(o)
+
+    def _distance_cap(self, device) -> DistanceCap:
+        """The softmax layer's DistanceCap (softmax_max_distance; 0: the teacher's positions),
+        made once per device."""
+        cfg = self.config
+        distance = int(cfg.softmax_max_distance or cfg.max_position_embeddings)
+        cap = self._cap
+        if cap is None or cap.inv_freq.device != device or cap.distance != distance:
+            inv_freq, scaling = rope_inv_freq(cfg)
+            cap = self._cap = DistanceCap(distance, inv_freq.float().to(device), float(scaling), cfg.head_dim)
+        return cap
 
     def _teacher(self, q, k, v, position_embeddings, attention_mask, cu_seqlens):
         o = softmax_attention(q, k, v, position_embeddings, attention_mask, cu_seqlens, self.config.sliding_window)
@@ -407,7 +420,10 @@ class GLAAttention(nn.Module):
         state = cache.recurrent_state(self.layer_idx) if cache is not None else None
         layer = StreamLayer(cfg.window, cfg.sinks, sparse, scale, self.head_dim ** -0.5, cfg.gla_backend,
                             self._per_state_head, self._combine)
-        o, buffers, state = stream(layer, q, k, v, g, exact, pos, buffers, state, cache is not None)
+        order = None
+        if cache is not None and T > 1 and not sparse:   # once per call, for every hybrid layer
+            order = cache.prompt_order(T, lambda: prompt_order(buffers, state, pos, cfg.window, cfg.sinks))
+        o, buffers, state = stream(layer, q, k, v, g, exact, pos, buffers, state, cache is not None, order)
         if cache is not None:
             cache.set_recurrent_state(self.layer_idx, state)
             cache.set_window_buffers(self.layer_idx, buffers)

@@ -136,15 +136,17 @@ class StreamLayer:
     combine: object             # (o_win, lse, o_lin) -> o (GLAAttention._combine)
 
 
-def stream(layer: StreamLayer, q, k, v, g, exact: ExactInputs, pos, buffers: HybridBuffers, state, cached: bool):
+def stream(layer: StreamLayer, q, k, v, g, exact: ExactInputs, pos, buffers: HybridBuffers, state, cached: bool,
+           order=None):
     """New tokens after `buffers` and `state`: (o [B, T, H, D], buffers after, state after).
-    q, k: feature-mapped; v, g: per state head; pos: [B, T] long, -1 for padding. With a sparse
-    cache the tokens go through in blocks of SPARSE_BLOCK, each choosing which keys leaving the
-    window the cache keeps (`sparse_select`)."""
+    q, k: feature-mapped; v, g: per state head; pos: [B, T] long, -1 for padding; order:
+    prompt_order's answer for a prompt read into a cache (None: the general path). With a
+    sparse cache the tokens go through in blocks of SPARSE_BLOCK, each choosing which keys
+    leaving the window the cache keeps (`sparse_select`)."""
     T = q.shape[1]
     step = SPARSE_BLOCK if layer.sparse else T
-    order = _prompt_order(buffers, state, pos, layer.window, layer.sinks) if cached and T > 1 and not layer.sparse \
-        else None
+    if not cached or T == 1 or layer.sparse:
+        order = None
     outs = []
     for a in range(0, T, step):
         part = slice(a, min(T, a + step))
@@ -154,11 +156,11 @@ def stream(layer: StreamLayer, q, k, v, g, exact: ExactInputs, pos, buffers: Hyb
     return (outs[0] if len(outs) == 1 else torch.cat(outs, 1)), buffers, state
 
 
-def _prompt_order(buffers: HybridBuffers, state, pos, W, S):
+def prompt_order(buffers: HybridBuffers, state, pos, W, S):
     """How a prompt (no sparse cache) stands to the cache, for the window part's fast paths:
     "empty" (nothing read yet, positions 0 .. T-1), "full" (sinks at 0 .. S-1, the window buffer
     the W positions right before the prompt, which follows on in order), else None (padding,
-    a cache still filling up, positions out of order). One host sync per prompt."""
+    a cache still filling up, positions out of order). One host sync."""
     B, T = pos.shape
     first = pos[:, :1]
     in_order = (pos == first + torch.arange(T, device=pos.device)).all()
@@ -173,7 +175,7 @@ def _prompt_order(buffers: HybridBuffers, state, pos, W, S):
 
 
 def _stream_block(layer, q, k, v, g, exact, pos, before, state, cached, order=None):
-    """One stretch of new tokens: (o, buffers after, state after). order: _prompt_order's."""
+    """One stretch of new tokens: (o, buffers after, state after). order: prompt_order's."""
     W, S = layer.window, layer.sinks
     T = q.shape[1]
     win = before.window

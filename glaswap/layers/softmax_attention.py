@@ -5,6 +5,12 @@ Distillation reads the teacher's outputs from the same weights (the layer's "sof
 kernel over packed documents on CUDA. A softmax layer of a mixed model (config.softmax_layers)
 runs it in every mode, and reads with a cache through a `KVBuffer` (cached_softmax_attention).
 
+Past the teacher's trained positions a softmax layer would meet RoPE distances the teacher
+never saw. With `max_distance` = L, a key L or more tokens back is scored as if it stood
+exactly L back (capped distances, after ReRoPE): q . rope_(-L)(k), a score the teacher has
+produced. Up to L tokens back nothing changes, so a cap at the teacher's positions leaves
+every context it was trained on exactly as it was.
+
 This file is copied into every saved model folder: it imports only torch and the GLA ops.
 """
 
@@ -17,7 +23,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from glaswap_kernels.ops import apply_rope
+from glaswap_kernels.ops import apply_rope, window_attention
 
 try:
     from torch.nn.attention.bias import causal_lower_right
@@ -25,12 +31,26 @@ except ImportError:     # older torch: an explicit mask instead
     causal_lower_right = None
 
 
-def softmax_attention(q, k, v, position_embeddings, attention_mask=None, cu_seqlens=None, sliding_window=None):
+def softmax_attention(q, k, v, position_embeddings, attention_mask=None, cu_seqlens=None, sliding_window=None,
+                      cap: DistanceCap | None = None, position_ids=None, backend="auto"):
     """Causal softmax attention of q [B, T, H, D] over k, v [B, T, Hkv, D], RoPE applied here,
-    scale D^-0.5: [B, T, H * D]."""
+    scale D^-0.5: [B, T, H * D]. cap: scores keys cap.distance or more back as if they stood
+    cap.distance back (it applies only where T exceeds it and there is no sliding window)."""
     cos, sin = position_embeddings
-    q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
     B, T, H, D = q.shape
+    if cap is not None and cap.applies(T, sliding_window):
+        if attention_mask is None:
+            # the window kernel with every older key a "sink": scored by q . rope_(-L)(k)
+            turn_cos, turn_sin = (t.to(device=q.device, dtype=q.dtype).expand(1, T, -1) for t in cap.turn_back())
+            o, _ = window_attention(apply_rope(q, cos, sin), apply_rope(k, cos, sin), v, cap.distance, T,
+                                    scale=D ** -0.5, cu_seqlens=cu_seqlens, q_sink=q, k_sink=apply_rope(k, turn_cos, turn_sin),
+                                    backend=backend)
+            return o.reshape(B, T, -1)
+        # padding: through the cache's path, which masks each key
+        valid = attention_mask[:, -T:].bool() if attention_mask.dim() == 2 else None
+        o, _ = cached_softmax_attention(q, k, v, position_embeddings, None, valid, None, None, position_ids, cap)
+        return o
+    q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
     if cu_seqlens is not None and attention_mask is None and varlen_ok(q, T, sliding_window):
         # packed documents: flash attention per document rather than SDPA with a [T, T]
         # mask, which rules flash out and is built in every layer
@@ -106,6 +126,55 @@ def softmax_mask(B, T, device, attention_mask, cu_seqlens, sliding_window):
     return allowed
 
 
+@dataclass(frozen=True)
+class DistanceCap:
+    """A softmax layer's distance cap: keys `distance` or more tokens back are scored as if they
+    stood `distance` back. inv_freq [head_dim / 2 or fewer] float32, on the layer's device, and
+    scaling: the teacher's RoPE (gla_attention.rope_inv_freq). Nothing here copies from the
+    host, so a decode step stays capturable in a CUDA graph."""
+    distance: int
+    inv_freq: torch.Tensor
+    scaling: float
+    head_dim: int
+
+    def applies(self, span, sliding_window=None) -> bool:
+        """Whether any key can lie `distance` back within `span` tokens (a teacher with a
+        sliding window never reaches further than it, so it keeps its own attention)."""
+        return bool(self.distance) and span > self.distance and not sliding_window
+
+    def _angles(self, positions):
+        """[..., head_dim] rotation angles at `positions`, zero for pairs RoPE leaves alone."""
+        angle = positions.float()[..., None] * self.inv_freq
+        pad = self.head_dim // 2 - angle.shape[-1]
+        if pad > 0:
+            angle = torch.cat([angle, angle.new_zeros(*angle.shape[:-1], pad)], -1)
+        return torch.cat([angle, angle], -1)
+
+    def _at_distance(self):
+        return self._angles(self.inv_freq.new_full((), float(self.distance)))
+
+    def turn_back(self):
+        """(cos, sin) [head_dim] float32 with apply_rope(k, cos, sin) = rope_(-L)(k), times the
+        RoPE attention scaling that the teacher's q and k each carry."""
+        angle = self._at_distance()
+        return angle.cos() * self.scaling ** 2, -angle.sin() * self.scaling ** 2
+
+    def far_queries(self, q):
+        """q [B, T, heads, D] (unrotated) turned forward by L, times the scaling, as [B, heads,
+        T, D]: its dot product with an unrotated key times the scaling is the capped score."""
+        angle = self._at_distance()
+        c, s = (angle.cos() * self.scaling).to(q.dtype), (angle.sin() * self.scaling).to(q.dtype)
+        T = q.shape[1]
+        return apply_rope(q, c.expand(1, T, -1), s.expand(1, T, -1)).transpose(1, 2)
+
+    def unrotate(self, keys, positions):
+        """Rotated keys [B, Hkv, S, D] at positions [B, S] turned back to their unrotated form
+        (still times the scaling)."""
+        angle = self._angles(positions.clamp_min(0))                   # [B, S, D]
+        c, s = angle.cos().to(keys.dtype), (-angle.sin()).to(keys.dtype)
+        return apply_rope(keys.transpose(1, 2), c, s).transpose(1, 2)
+
+
 # A KV buffer grows by whole blocks of this many slots, and by at least a quarter of its size,
 # so that decoding token by token copies it only now and then.
 KV_STEP = 256
@@ -118,14 +187,16 @@ def _blocks(n):
 @dataclass
 class KVBuffer:
     """A softmax layer's KV cache: the rotated keys and the values [B, Hkv, capacity, D], of
-    which the first `length` slots are written, and `valid` [B, capacity], True where a slot
+    which the first `length` slots are written; `valid` [B, capacity], True where a slot
     holds a real token (False for padding and for slots not written yet), so that a left-padded
-    row never attends to its padding. Slot order is token order: distances between slots are
-    distances between tokens. `padded`: whether any padding was ever written (when not, the
-    attention needs no mask beyond causality)."""
+    row never attends to its padding; `positions` [B, capacity] long, each slot's RoPE position
+    (what a distance cap needs to turn a key back). Slot order is token order. `padded`:
+    whether any padding was ever written (when not, the attention needs no mask beyond
+    causality)."""
     keys: torch.Tensor
     values: torch.Tensor
     valid: torch.Tensor
+    positions: torch.Tensor
     length: int
     padded: bool = False
 
@@ -133,18 +204,19 @@ class KVBuffer:
     def empty(cls, batch, heads, dim, like, capacity):
         """No tokens yet; `like` gives the dtype and device."""
         zeros = like.new_zeros(batch, heads, capacity, dim)
-        return cls(zeros, zeros.clone(), torch.zeros(batch, capacity, dtype=torch.bool, device=like.device), 0)
+        return cls(zeros, zeros.clone(), torch.zeros(batch, capacity, dtype=torch.bool, device=like.device),
+                   torch.zeros(batch, capacity, dtype=torch.long, device=like.device), 0)
 
     @property
     def capacity(self):
         return self.keys.shape[2]
 
     def tensors(self):
-        return [self.keys, self.values, self.valid]
+        return [self.keys, self.values, self.valid, self.positions]
 
     def map(self, fn):
         """The buffer with fn applied to each tensor (each has the batch as dimension 0)."""
-        return KVBuffer(fn(self.keys), fn(self.values), fn(self.valid), self.length, self.padded)
+        return KVBuffer(fn(self.keys), fn(self.values), fn(self.valid), fn(self.positions), self.length, self.padded)
 
     def resized(self, capacity, keep=None):
         """A copy in new tensors of `capacity` slots holding the last `keep` (default: all)
@@ -153,9 +225,11 @@ class KVBuffer:
         B, H, _, D = self.keys.shape
         out = KVBuffer.empty(B, H, D, self.keys, capacity)
         a = self.length - keep
-        out.keys[:, :, :keep] = self.keys[:, :, a:self.length]
-        out.values[:, :, :keep] = self.values[:, :, a:self.length]
-        out.valid[:, :keep] = self.valid[:, a:self.length]
+        for mine, theirs in zip(out.tensors(), self.tensors()):
+            if mine.dim() == 4:
+                mine[:, :, :keep] = theirs[:, :, a:self.length]
+            else:
+                mine[:, :keep] = theirs[:, a:self.length]
         return dataclasses.replace(out, length=keep, padded=self.padded)
 
     def with_room(self, tokens):
@@ -167,10 +241,12 @@ class KVBuffer:
 
 
 def cached_softmax_attention(q, k, v, position_embeddings, kv: KVBuffer | None, valid_new=None, sliding_window=None,
-                             write_at=None):
+                             write_at=None, position_ids=None, cap: DistanceCap | None = None):
     """Causal softmax attention of T new tokens after those in `kv` (None: none), RoPE applied
     here, scale D^-0.5: (output [B, T, H * D], the buffer after). q [B, T, H, D]; k, v
-    [B, T, Hkv, D]; valid_new [B, T] bool, False for padding (None: no padding).
+    [B, T, Hkv, D]; valid_new [B, T] bool, False for padding (None: no padding); position_ids
+    [B or 1, T], the new tokens' RoPE positions (None: those after the buffer's length); cap:
+    the layer's DistanceCap, if any.
 
     Eagerly (write_at None) the buffer grows as needed and its length counts the new tokens;
     without padding no mask is built (one new token reads every key, several take SDPA's
@@ -179,6 +255,7 @@ def cached_softmax_attention(q, k, v, position_embeddings, kv: KVBuffer | None, 
     slot is read under the mask, and its length is left to the caller (the graph replays the
     same call)."""
     cos, sin = position_embeddings
+    q_plain = q
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
     B, T, H, D = q.shape
     Hkv = k.shape[2]
@@ -199,10 +276,19 @@ def cached_softmax_attention(q, k, v, position_embeddings, kv: KVBuffer | None, 
     else:
         slots = write_at + torch.arange(T, device=q.device)
         width = kv.capacity
+    if position_ids is None:
+        position_ids = (slots if write_at is None else write_at + torch.arange(T, device=q.device))[None]
     kv.keys.index_copy_(2, slots, k.to(kv.keys.dtype))
     kv.values.index_copy_(2, slots, v.to(kv.values.dtype))
     kv.valid.index_copy_(1, slots, valid_new.bool())
-    if unmasked and (past == 0 or T == 1 or causal_lower_right is not None):
+    kv.positions.index_copy_(1, slots, position_ids.expand(B, T).long())
+    if cap is not None and cap.applies(width, sliding_window):
+        j = torch.arange(width, device=q.device)
+        allowed = (j[None, :] <= slots[:, None])[None] & kv.valid[:, None, :width] | (j[None, :] == slots[:, None])[None]
+        o = _capped_attention(q, cap.far_queries(q_plain), kv.keys[:, :, :width],
+                              cap.unrotate(kv.keys[:, :, :width], kv.positions[:, :width]), kv.values[:, :, :width],
+                              kv.positions[:, slots], kv.positions[:, :width], allowed, cap.distance, D ** -0.5)
+    elif unmasked and (past == 0 or T == 1 or causal_lower_right is not None):
         keys, values = (k, v) if past == 0 else (kv.keys[:, :, :width], kv.values[:, :, :width])
         o = _grouped_sdpa(q, keys, values, None, D ** -0.5)
     else:
@@ -219,6 +305,30 @@ def cached_softmax_attention(q, k, v, position_embeddings, kv: KVBuffer | None, 
             # keys further back than the window are never read again
             kv = kv.resized(_blocks(2 * sliding_window), keep=sliding_window - 1)
     return o.transpose(1, 2).reshape(B, T, H * D), kv
+
+
+def _capped_attention(q, q_far, keys, keys_plain, values, q_pos, k_pos, allowed, distance, scale):
+    """Softmax of q [B, H, T, D] (rotated) over keys [B, Hkv, S, D] (rotated) where a key is less
+    than `distance` positions back, else of q_far over keys_plain (DistanceCap.far_queries and
+    .unrotate): the capped score. q_pos [B, T], k_pos [B, S]: positions; allowed [B, T, S]
+    bool. Query blocks keep the scores within about 2^26 numbers. Returns [B, H, T, D]."""
+    B, H, T, D = q.shape
+    Hkv, S = keys.shape[1], keys.shape[2]
+    R = H // Hkv
+    block = max(1, min(T, (1 << 26) // max(1, B * H * S)))
+    outs = []
+    for a in range(0, T, block):
+        b = min(T, a + block)
+        n = b - a
+        rows = lambda x: x[:, :, a:b].reshape(B, Hkv, R * n, D)                 # noqa: E731
+        near = (rows(q) @ keys.transpose(-1, -2)).view(B, Hkv, R, n, S)
+        far = (rows(q_far) @ keys_plain.transpose(-1, -2)).view(B, Hkv, R, n, S)
+        close = (q_pos[:, a:b, None] - k_pos[:, None, :]) < distance            # [B, n, S]
+        s = torch.where(close[:, None, None], near, far).float() * scale
+        s = s.masked_fill(~allowed[:, None, None, a:b], float("-inf"))
+        p = torch.softmax(s, -1).to(values.dtype)
+        outs.append((p.view(B, Hkv, R * n, S) @ values).view(B, H, n, D))
+    return torch.cat(outs, 2)
 
 
 def _grouped_sdpa(q, k, v, allowed, scale):

@@ -98,6 +98,11 @@ GLA_OPTIONS = {o.name: o for o in (
            "over the whole context with a KV cache, no new parameters, no attention transfer; e.g. 3,9,15. Recipes "
            "also take auto:N, N layers that distill chooses by measurement after attention transfer.",
            check=lambda v: _layers_problem(v), flag="--softmax-layers"),
+    # RoPE distances past the teacher's positions break its attention (as they break the teacher).
+    Option("softmax_max_distance", int, 0, "Softmax layers score a key this many or more tokens back as if it stood "
+           "exactly this far back (capped distances, after ReRoPE), so past the teacher's positions they meet no "
+           "RoPE distance it never saw. 0: the teacher's max_position_embeddings, which leaves every context it "
+           "was trained on as it was.", check=_whole(0), flag="--softmax-max-distance"),
 )}
 
 # What a config.json written before an option existed was made with, where that is not the

@@ -118,6 +118,16 @@ class GLASwapCache(Cache):
         # Set only on a captured decode graph's own cache (decode_graph): the slot its softmax
         # layers write the new token to, a device tensor, so the graph replays at fixed shapes.
         self.kv_write_at = None
+        self._order = None       # (seen_tokens, new tokens, prompt_order's answer) of this call
+
+    def prompt_order(self, new_tokens, compute):
+        """How this call's prompt stands to the cache (hybrid_cache.prompt_order): computed by
+        the first hybrid layer, `compute()`, and reused by the others, whose positions and
+        buffers' positions are the same, so a prompt costs one host sync, not one per layer."""
+        key = (self.seen_tokens, new_tokens)
+        if self._order is None or self._order[:2] != key:
+            self._order = (*key, compute())
+        return self._order[2]
 
     def recurrent_state(self, layer_idx):
         return self.states[layer_idx]
@@ -182,6 +192,7 @@ class GLASwapCache(Cache):
         self.windows = [None] * len(self.states)
         self.kv = [None] * len(self.states)
         self.seen_tokens = 0
+        self._order = None
 
     def __len__(self):
         return len(self.states)

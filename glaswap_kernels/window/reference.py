@@ -86,35 +86,43 @@ def window_bounds(cu_seqlens, B, T):
 
 
 def window_attention_torch(q, k, v, window, sinks=0, scale=None, cu_seqlens=None, q_sink=None, k_sink=None,
-                           block=256):
+                           block=None):
     """(o [B, T, H, D] in q's dtype, lse [B, T, H] float32); differentiable in q, k, v (and
     q_sink, k_sink) through both outputs (autograd on float32 maths). Queries go `block` rows
-    at a time against their window's keys and the sinks before it: memory O(T (W + S + block)),
-    so a whole long document can be read on a CPU."""
+    at a time (default: the window, within 32 .. 256) against their window's keys and the sinks
+    before it: memory O(T (W + S + block)), so a whole long document can be read on a CPU. A KV
+    head's query heads are scored as one matrix, never by copying its keys."""
     B, T, H, Hkv, D = check_window_inputs(q, k, v, window, sinks, scale, cu_seqlens, q_sink, k_sink)
     scale = D ** -0.5 if scale is None else float(scale)
-    group = H // Hkv
-    heads = lambda x: x.float().transpose(0, 1)                             # [n, h, D] -> [h, n, D]  # noqa: E731
+    G = H // Hkv
+    block = block or max(32, min(256, window))
+    # [n, H, D] -> [Hkv, G n, D]: the G query heads of each KV head (repeat_interleave's order)
+    queries = lambda x, n: x.float().view(n, Hkv, G, D).permute(1, 2, 0, 3).reshape(Hkv, G * n, D)  # noqa: E731
+    keys = lambda x: x.float().transpose(0, 1)                                  # noqa: E731  [Hkv, n, D]
     outs, lses = [], []
     for b, start, end in window_bounds(cu_seqlens, B, T):
         for a in range(start, end, block):                     # query rows a .. e - 1 (absolute)
             e = min(end, a + block)
+            n = e - a
             lo = max(start, a - window + 1)                    # the first key any row's window reaches
-            cols = torch.cat([torch.arange(start, min(start + sinks, lo), device=q.device),
+            front = max(0, min(start + sinks, lo) - start)     # sinks before that
+            cols = torch.cat([torch.arange(start, start + front, device=q.device),
                               torch.arange(lo, e, device=q.device)])
+            n_sink = front + max(0, min(start + sinks, e) - lo)   # the columns that are sinks come first
             i = torch.arange(a, e, device=q.device)[:, None] - start       # positions in the document
             j = cols[None, :] - start
             in_window, sink = (j <= i) & (i - j < window), (j < sinks) & (j <= i - window)
-            kd = heads(k[b, cols]).repeat_interleave(group, 0)
-            s = scale * heads(q[b, a:e]) @ kd.transpose(1, 2)              # [H, rows, keys]
-            if q_sink is not None and sinks:
-                ks = heads(k_sink[b, cols]).repeat_interleave(group, 0)
-                s = torch.where(sink, scale * heads(q_sink[b, a:e]) @ ks.transpose(1, 2), s)
+            s = ((scale * queries(q[b, a:e], n)) @ keys(k[b, cols]).transpose(1, 2)).view(Hkv, G, n, -1)
+            if q_sink is not None and n_sink:
+                # a sink outside a row's window is scored with q_sink and k_sink
+                ss = (scale * queries(q_sink[b, a:e], n)) @ keys(k_sink[b, cols[:n_sink]]).transpose(1, 2)
+                s = torch.cat([torch.where(sink[:, :n_sink], ss.view(Hkv, G, n, -1), s[..., :n_sink]),
+                               s[..., n_sink:]], -1)
             s = s.masked_fill(~(in_window | sink), float("-inf"))
-            lse = torch.logsumexp(s, dim=-1)                                # [H, rows]
-            p = torch.exp(s - lse[..., None])
-            outs.append((p @ heads(v[b, cols]).repeat_interleave(group, 0)).transpose(0, 1))
-            lses.append(lse.transpose(0, 1))
+            lse = torch.logsumexp(s, dim=-1)                                # [Hkv, G, n]
+            o = torch.softmax(s, dim=-1).view(Hkv, G * n, -1) @ keys(v[b, cols])
+            outs.append(o.view(Hkv, G, n, D).permute(2, 0, 1, 3).reshape(n, H, D))
+            lses.append(lse.permute(2, 0, 1).reshape(n, H))
     o, lse = torch.cat(outs), torch.cat(lses)                  # every row of every document, in order
     return o.view(B, T, H, D).to(q.dtype), lse.view(B, T, H)
 
@@ -154,37 +162,39 @@ def window_over_buffer_torch(q_r, q_s, k, v, key_pos, sink_k, sink_v, sink_pos, 
     from query mem_from [B, M, Hkv] on. Returns (o [B, T, H, D] in q_r's dtype, lse [B, T, H]
     float32). Query blocks of `block`, so memory stays O(block x (window + block))."""
     B, T, H, D = q_r.shape
-    R = H // k.shape[2]
-    W = window
-    heads = lambda t: t.float().transpose(1, 2).repeat_interleave(R, 1)          # noqa: E731  [B, H, N, D]
-    # keys scored with q_s, and which queries see each
+    Hkv = k.shape[2]
+    G, W = H // Hkv, window
+    # a KV head's G query heads are scored as one matrix: [B, n, H, D] -> [B, Hkv, G n, D]
+    queries = lambda x: x.float().view(B, -1, Hkv, G, D).permute(0, 2, 3, 1, 4).reshape(B, Hkv, -1, D)  # noqa: E731
+    keys = lambda x: x.float().transpose(1, 2)                                 # noqa: E731  [B, Hkv, N, D]
+    # keys scored with q_s, as [B, Hkv, N, D] with which queries see each: [B, Hkv or 1, T, N]
     apart = []
     if mem_k is not None:
         t_new = torch.arange(T, device=q_r.device)
         seen = (mem_pos >= 0)[..., None] & (mem_from[..., None] <= t_new)        # [B, M, Hkv, T]
-        apart.append((heads(mem_k), heads(mem_v), seen.permute(0, 2, 3, 1).repeat_interleave(R, 1)))
+        apart.append((keys(mem_k), keys(mem_v), seen.permute(0, 2, 3, 1)))
     if sink_pos.shape[1]:
         seen = (sink_pos[:, None, :] >= 0) & (sink_pos[:, None, :] <= pos[:, :, None] - W)   # [B, T, S]
-        apart.append((heads(sink_k), heads(sink_v), seen[:, None]))
+        apart.append((keys(sink_k), keys(sink_v), seen[:, None]))
     outs, lses = [], []
     for a in range(0, T, block):
         b = min(T, a + block)
-        qb = q_r[:, a:b].float().transpose(1, 2)                                  # [B, H, n, D]
-        kk = heads(k[:, a + 1:W + b])                                             # keys a+1 .. W+b-1
-        vv = heads(v[:, a + 1:W + b])
+        n = b - a
+        kk, vv = keys(k[:, a + 1:W + b]), keys(v[:, a + 1:W + b])                # keys a+1 .. W+b-1
         t = torch.arange(a, b, device=q_r.device)[:, None]
         j = torch.arange(a + 1, W + b, device=q_r.device)[None, :]
         in_window = (j >= t + 1) & (j <= W + t)                                    # [n, keys]
         live = key_pos[:, a + 1:W + b] >= 0                                        # [B, keys]
         allowed = in_window[None] & (live[:, None, :] | (j == W + t)[None])        # a query sees itself
-        s = scale * qb @ kk.transpose(-1, -2)
-        s = s.masked_fill(~allowed[:, None], float("-inf"))
+        s = (scale * queries(q_r[:, a:b]) @ kk.transpose(-1, -2)).view(B, Hkv, G, n, -1)
+        s = s.masked_fill(~allowed[:, None, None], float("-inf"))
         if apart:
-            qs = q_s[:, a:b].float().transpose(1, 2)
-            s = torch.cat([(scale * qs @ ka.transpose(-1, -2)).masked_fill(~seen[:, :, a:b], float("-inf"))
-                           for ka, _, seen in apart] + [s], -1)
+            qs = scale * queries(q_s[:, a:b])
+            s = torch.cat([(qs @ ka.transpose(-1, -2)).view(B, Hkv, G, n, -1)
+                           .masked_fill(~seen[:, :, None, a:b], float("-inf")) for ka, _, seen in apart] + [s], -1)
             vv = torch.cat([va for _, va, _ in apart] + [vv], -2)
-        lse = torch.logsumexp(s, -1)                                               # [B, H, n]
-        outs.append((torch.exp(s - lse[..., None]) @ vv).transpose(1, 2))
-        lses.append(lse.transpose(1, 2))
+        lse = torch.logsumexp(s, -1)                                               # [B, Hkv, G, n]
+        o = torch.softmax(s, -1).view(B, Hkv, G * n, -1) @ vv                      # [B, Hkv, G n, D]
+        outs.append(o.view(B, Hkv, G, n, D).permute(0, 3, 1, 2, 4).reshape(B, n, H, D))
+        lses.append(lse.permute(0, 3, 1, 2).reshape(B, n, H))
     return torch.cat(outs, 1).to(q_r.dtype), torch.cat(lses, 1)
