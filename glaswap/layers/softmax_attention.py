@@ -255,7 +255,7 @@ def cached_softmax_attention(q, k, v, position_embeddings, kv: KVBuffer | None, 
     slot is read under the mask, and its length is left to the caller (the graph replays the
     same call)."""
     cos, sin = position_embeddings
-    q_plain = q
+    q_plain, k_plain, v_plain = q, k, v
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
     B, T, H, D = q.shape
     Hkv = k.shape[2]
@@ -282,7 +282,10 @@ def cached_softmax_attention(q, k, v, position_embeddings, kv: KVBuffer | None, 
     kv.values.index_copy_(2, slots, v.to(kv.values.dtype))
     kv.valid.index_copy_(1, slots, valid_new.bool())
     kv.positions.index_copy_(1, slots, position_ids.expand(B, T).long())
-    if cap is not None and cap.applies(width, sliding_window):
+    if cap is not None and cap.applies(width, sliding_window) and past == 0 and unmasked:
+        # a prompt into an empty cache: the whole-sequence path (the window kernel)
+        o = softmax_attention(q_plain, k_plain, v_plain, position_embeddings, cap=cap).view(B, T, H, D).transpose(1, 2)
+    elif cap is not None and cap.applies(width, sliding_window):
         j = torch.arange(width, device=q.device)
         allowed = (j[None, :] <= slots[:, None])[None] & kv.valid[:, None, :width] | (j[None, :] == slots[:, None])[None]
         o = _capped_attention(q, cap.far_queries(q_plain), kv.keys[:, :, :width],
