@@ -113,6 +113,9 @@ def _buffer_reference(x):
 
 @pytest.mark.parametrize("B,T,H,Hkv,D,W,S,M,block", [
     (1, 1, 2, 2, 16, 4, 2, 0, 256),       # a decode step
+    (3, 1, 6, 2, 48, 5, 3, 0, 256),       # decode steps of GQA rows, some buffers still filling
+    (2, 1, 4, 4, 80, 3, 0, 0, 256),       # a decode step without sinks
+    (2, 1, 4, 2, 16, 4, 2, 2, 256),       # a decode step with a sparse cache
     (2, 7, 4, 2, 48, 3, 3, 2, 256),       # GQA, a sparse cache
     (2, 9, 2, 1, 80, 5, 0, 3, 4),         # no sinks, query blocks smaller than T
     (1, 5, 2, 2, 16, 1, 1, 0, 2),         # window 1

@@ -164,6 +164,8 @@ def window_over_buffer_torch(q_r, q_s, k, v, key_pos, sink_k, sink_v, sink_pos, 
     B, T, H, D = q_r.shape
     Hkv = k.shape[2]
     G, W = H // Hkv, window
+    if T == 1 and mem_k is None:
+        return _one_query(q_r, q_s, k[:, 1:], v[:, 1:], key_pos[:, 1:], sink_k, sink_v, sink_pos, pos, W, scale)
     # a KV head's G query heads are scored as one matrix: [B, n, H, D] -> [B, Hkv, G n, D]
     queries = lambda x: x.float().view(B, -1, Hkv, G, D).permute(0, 2, 3, 1, 4).reshape(B, Hkv, -1, D)  # noqa: E731
     keys = lambda x: x.float().transpose(1, 2)                                 # noqa: E731  [B, Hkv, N, D]
@@ -198,3 +200,22 @@ def window_over_buffer_torch(q_r, q_s, k, v, key_pos, sink_k, sink_v, sink_pos, 
         outs.append(o.view(B, Hkv, G, n, D).permute(0, 3, 1, 2, 4).reshape(B, n, H, D))
         lses.append(lse.permute(0, 3, 1, 2).reshape(B, n, H))
     return torch.cat(outs, 1).to(q_r.dtype), torch.cat(lses, 1)
+
+
+def _one_query(q_r, q_s, k, v, key_pos, sink_k, sink_v, sink_pos, pos, window, scale):
+    """window_over_buffer_torch for one new query (a decode step, no sparse cache), in few
+    operations: it sees the W rows of k, v [B, W, Hkv, D] that are live (itself, the last,
+    always) and the sinks `window` or more positions back."""
+    B, _, H, D = q_r.shape
+    W, Hkv = k.shape[1], k.shape[2]
+    G = H // Hkv
+    ok = (key_pos >= 0) | (torch.arange(W, device=key_pos.device) == W - 1)    # [B, W]
+    s = (scale * q_r.float().view(B, Hkv, G, D)) @ k.float().permute(0, 2, 3, 1)   # [B, Hkv, G, W]
+    if sink_pos.shape[1]:
+        seen = (sink_pos >= 0) & (sink_pos <= pos - window)                      # [B, S]
+        s_sink = (scale * q_s.float().view(B, Hkv, G, D)) @ sink_k.float().permute(0, 2, 3, 1)
+        s, v, ok = torch.cat([s_sink, s], -1), torch.cat([sink_v, v], 1), torch.cat([seen, ok], 1)
+    s = s.masked_fill(~ok[:, None, None], float("-inf"))
+    lse = torch.logsumexp(s, -1)                                                 # [B, Hkv, G]
+    o = torch.softmax(s, -1) @ v.float().transpose(1, 2)                          # [B, Hkv, G, D]
+    return o.reshape(B, 1, H, D).to(q_r.dtype), lse.reshape(B, 1, H)
