@@ -188,34 +188,45 @@ def format_bench(rows, header=True) -> str:
     return "\n".join(lines)
 
 
+def _context_label(n: int) -> str:
+    return f"{n // 1024}K" if n >= 1024 and n % 1024 == 0 else str(n)
+
+
 def plot_bench(rows, path: Path, title: str):
+    """Decode tokens/s by context (and, on CUDA, peak memory), the contexts as tick labels;
+    the eager line only where it differs from the graph's (on CUDA)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     ctx = [r["context"] for r in rows]
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4), dpi=120)
-    ax1.plot(ctx, [r["student"]["tokens_per_s"] for r in rows], "o-", label="GLA model")
-    ax1.plot(ctx, [r["student_eager"]["tokens_per_s"] for r in rows], "o:", label="GLA model (eager)")
+    memory = bool(rows) and rows[0]["student"]["peak_gib"] is not None
+    fig, axes = plt.subplots(1, 2 if memory else 1, figsize=(10 if memory else 5.5, 4), dpi=120, squeeze=False)
+    ax1 = axes[0][0]
+    ax1.plot(ctx, [r["student"]["tokens_per_s"] for r in rows], "o-", color="C0", label="GLA model")
+    if any(r["student_eager"]["tokens_per_s"] != r["student"]["tokens_per_s"] for r in rows):
+        ax1.plot(ctx, [r["student_eager"]["tokens_per_s"] for r in rows], "o:", color="C1", label="GLA model (eager)")
     if rows and "teacher" in rows[0]:
-        ax1.plot(ctx, [r["teacher"]["tokens_per_s"] for r in rows], "s-", label="teacher (KV cache)")
+        ax1.plot(ctx, [r["teacher"]["tokens_per_s"] for r in rows], "s-", color="C2", label="teacher (KV cache)")
     ax1.set_ylabel("decode tokens / s")
-    if rows and rows[0]["student"]["peak_gib"] is not None:
-        ax2.plot(ctx, [r["student"]["peak_gib"] for r in rows], "o-", label="GLA model")
+    ax1.set_ylim(bottom=0)
+    if memory:
+        ax2 = axes[0][1]
+        ax2.plot(ctx, [r["student"]["peak_gib"] for r in rows], "o-", color="C0", label="GLA model")
         if "teacher" in rows[0]:
-            ax2.plot(ctx, [r["teacher"]["peak_gib"] for r in rows], "s-", label="teacher (KV cache)")
+            ax2.plot(ctx, [r["teacher"]["peak_gib"] for r in rows], "s-", color="C2", label="teacher (KV cache)")
         ax2.set_ylabel("peak memory while decoding (GiB)")
-    else:
-        ax2.text(0.5, 0.5, "peak memory is measured on CUDA only", ha="center", va="center",
-                 transform=ax2.transAxes)
-    for ax in (ax1, ax2):
+        ax2.set_ylim(bottom=0)
+    for ax in axes[0]:
         ax.set_xscale("log", base=2)
+        ax.set_xticks(ctx, [_context_label(c) for c in ctx])
+        ax.minorticks_off()
         ax.set_xlabel("context (tokens)")
         ax.grid(alpha=0.3)
         if ax.get_legend_handles_labels()[0]:
             ax.legend()
-    fig.suptitle(title, fontsize=10)
+    fig.suptitle(title if memory else f"{title} (peak memory is measured on CUDA only)", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, format="png")
     plt.close(fig)
