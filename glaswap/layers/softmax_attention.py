@@ -6,8 +6,8 @@ kernel over packed documents on CUDA. A softmax layer of a mixed model (config.s
 runs it in every mode, and reads with a cache through a `KVBuffer` (cached_softmax_attention).
 
 Past the teacher's trained positions a softmax layer would meet RoPE distances the teacher
-never saw. With `max_distance` = L, a key L or more tokens back is scored as if it stood
-exactly L back (capped distances, after ReRoPE): q . rope_(-L)(k), a score the teacher has
+never saw. With a `DistanceCap` of L (config.softmax_max_distance), a key L or more tokens back
+is scored as if it stood exactly L back (capped distances, after ReRoPE): q . rope_(-L)(k), a score the teacher has
 produced. Up to L tokens back nothing changes, so a cap at the teacher's positions leaves
 every context it was trained on exactly as it was.
 
@@ -43,8 +43,8 @@ def softmax_attention(q, k, v, position_embeddings, attention_mask=None, cu_seql
             # the window kernel with every older key a "sink": scored by q . rope_(-L)(k)
             turn_cos, turn_sin = (t.to(device=q.device, dtype=q.dtype).expand(1, T, -1) for t in cap.turn_back())
             o, _ = window_attention(apply_rope(q, cos, sin), apply_rope(k, cos, sin), v, cap.distance, T,
-                                    scale=D ** -0.5, cu_seqlens=cu_seqlens, q_sink=q, k_sink=apply_rope(k, turn_cos, turn_sin),
-                                    backend=backend)
+                                    scale=D ** -0.5, cu_seqlens=cu_seqlens, q_sink=q,
+                                    k_sink=apply_rope(k, turn_cos, turn_sin), backend=backend)
             return o.reshape(B, T, -1)
         # padding: through the cache's path, which masks each key
         valid = attention_mask[:, -T:].bool() if attention_mask.dim() == 2 else None
@@ -287,7 +287,9 @@ def cached_softmax_attention(q, k, v, position_embeddings, kv: KVBuffer | None, 
         o = softmax_attention(q_plain, k_plain, v_plain, position_embeddings, cap=cap).view(B, T, H, D).transpose(1, 2)
     elif cap is not None and cap.applies(width, sliding_window):
         j = torch.arange(width, device=q.device)
-        allowed = (j[None, :] <= slots[:, None])[None] & kv.valid[:, None, :width] | (j[None, :] == slots[:, None])[None]
+        # causal over real keys; a padded query sees itself, so no row is empty
+        allowed = ((j[None, :] <= slots[:, None])[None] & kv.valid[:, None, :width]) \
+            | (j[None, :] == slots[:, None])[None]
         o = _capped_attention(q, cap.far_queries(q_plain), kv.keys[:, :, :width],
                               cap.unrotate(kv.keys[:, :, :width], kv.positions[:, :width]), kv.values[:, :, :width],
                               kv.positions[:, slots], kv.positions[:, :width], allowed, cap.distance, D ** -0.5)
