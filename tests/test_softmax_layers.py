@@ -121,10 +121,11 @@ def test_bad_softmax_layers_on_convert_get_one_line(teacher_folder, tmp_path, va
 # ----------------------------------------------------------------------------- layers and weights
 @pytest.fixture(scope="module")
 def mixed_folder(tmp_path_factory, teacher_folder):
-    """A tiny Llama converted through the CLI with softmax layers 1 and 3, new parameters randomised."""
+    """A tiny Llama converted through the CLI with softmax layers 1 and 3 (distances capped at 6,
+    so a saved folder's own code reads past the cap), new parameters randomised."""
     out = tmp_path_factory.mktemp("mixed") / "gla"
     r = CliRunner().invoke(main, ["convert", str(teacher_folder), str(out), "--no-report",
-                                  "--softmax-layers", "3,1", "--window", "3"])
+                                  "--softmax-layers", "3,1", "--window", "3", "--softmax-max-distance", "6"])
     assert r.exit_code == 0, r.output
     model = GLASwapForCausalLM.from_pretrained(str(out), dtype=torch.float32)
     randomise_new_parameters(model)
@@ -397,7 +398,8 @@ print("same", torch.equal(m.generate(case["ids"], **kw), case["expected"]))
 
 
 def test_config_json_holds_the_layers_as_a_list(mixed_folder):
-    assert json.loads((mixed_folder / "config.json").read_text())["softmax_layers"] == [1, 3]
+    config = json.loads((mixed_folder / "config.json").read_text())
+    assert config["softmax_layers"] == [1, 3] and config["softmax_max_distance"] == 6
 
 
 def test_glaswap_generate_runs_a_mixed_model(mixed_folder, tmp_path):
