@@ -86,7 +86,7 @@ class _StaticStep:
         self.pos = torch.zeros(batch_size, tokens, dtype=torch.long, device=dev)
         self.states = [torch.zeros(batch_size, state_heads(cfg), feature_dim(cfg), v_dim,
                                    dtype=torch.float32, device=dev) if g else None for g in gla]
-        # Hybrid layers: their window and sink buffers are static too (fixed size, like the state).
+        # Hybrid layers: their window, sink and sparse buffers are static too, at their full sizes.
         self.windows = [self._empty_window(cfg, batch_size, dev) if cfg.window and g else None for g in gla]
         self.capacity = capacity
         like = torch.zeros(1, dtype=self._dtype(), device=dev)
@@ -106,7 +106,7 @@ class _StaticStep:
         dtype = self._dtype()
         k_r = torch.zeros(1, 1, cfg.num_key_value_heads, cfg.head_dim, dtype=dtype, device=dev)
         fk = torch.zeros(1, 1, state_heads(cfg), feature_dim(cfg), dtype=dtype, device=dev)
-        return HybridBuffers.empty(batch_size, cfg.window, cfg.sinks, cfg.sparse_cache, k_r, fk)
+        return HybridBuffers.empty(batch_size, cfg.window, cfg.sinks, cfg.sparse_cache, k_r, fk, static=True)
 
     def _alias(self, cache, length=0, padded=False):
         """Point `cache` at the static buffers; its KV buffers hold `length` tokens (`padded`:
@@ -191,16 +191,16 @@ class _StaticStep:
             if n:
                 for mine, theirs in zip(buf.tensors(), src.tensors()):
                     mine[:, :, :n].copy_(theirs[:, :, :n]) if mine.dim() == 4 else mine[:, :n].copy_(theirs[:, :n])
-        empty = None
+        cfg = self.model.config
         for i, buf in enumerate(self.windows):
             if buf is None:
                 continue
             src = cache.window_buffers(i)
             if src is None:
-                positions = buf.window.positions
-                empty = empty or self._empty_window(self.model.config, positions.shape[0], positions.device)
-                src = empty
-            buf.copy_(src)
+                for t in buf.tensors():
+                    t.fill_(-1 if t.dtype == torch.long else 0)
+            else:                           # an eager cache's buffers grow: at full size here
+                buf.copy_(src.sized(cfg.window, cfg.sinks, cfg.sparse_cache))
         self._alias(cache, length, any(b.padded for b in cache.kv if b is not None))
         self.owner = weakref.ref(cache)
 

@@ -127,8 +127,9 @@ def window_over_buffer(q_r, q_s, k, v, key_pos, sink_k, sink_v, sink_pos, pos, w
     sparse cache: (o [B, T, H, D], lse [B, T, H] float32). The contract and the maths are
     window.reference.window_over_buffer_torch's; it runs in PyTorch on every device, in query
     blocks of `block`."""
-    if (mem_k is None) != (mem_from is None) or k.shape[1] != window + q_r.shape[1]:
-        raise ValueError(f"window_over_buffer wants k [B, window + T, Hkv, D] and the sparse cache's four "
+    if (mem_k is None) != (mem_from is None) or not q_r.shape[1] <= k.shape[1] <= window + q_r.shape[1]:
+        raise ValueError(f"window_over_buffer wants k [B, window + T, Hkv, D] (or a window buffer of fewer "
+                         f"rows, the missing ones empty) and the sparse cache's four "
                          f"tensors or none; got k {tuple(k.shape)}, window {window}, T {q_r.shape[1]}")
     return window_over_buffer_torch(q_r, q_s, k, v, key_pos, sink_k, sink_v, sink_pos, pos, window, scale,
                                     mem_k, mem_v, mem_pos, mem_from, block)

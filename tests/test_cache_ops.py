@@ -128,10 +128,26 @@ def test_window_over_buffer_matches_its_definition(B, T, H, Hkv, D, W, S, M, blo
     assert rel(o, o_ref) < 1e-5 and rel(lse, lse_ref) < 1e-6
 
 
+@pytest.mark.parametrize("B,T,W,S,M,held", [
+    (2, 1, 6, 2, 0, 0),         # a decode step into an empty buffer
+    (2, 1, 6, 2, 0, 3),         # a decode step into a buffer still growing
+    (2, 7, 6, 2, 2, 2),         # a prompt that fills the window past its end
+    (1, 3, 8, 0, 0, 4),         # a prompt that leaves it short
+])
+def test_window_over_buffer_of_a_growing_buffer_is_the_full_one(B, T, W, S, M, held):
+    """A window buffer of fewer than W rows reads as the full one whose first rows are empty."""
+    x = _buffer_inputs(B, T, 4, 2, 16, W, S, M, seed=5)
+    x["key_pos"][:, :W - held] = -1                       # the full buffer's empty first rows
+    short = {**x, **{n: x[n][:, W - held:] for n in ("k", "v", "key_pos")}}
+    want_o, want_lse = ops.window_over_buffer(**x, block=2)
+    o, lse = ops.window_over_buffer(**short, block=2)
+    assert rel(o, want_o) < 1e-6 and rel(lse, want_lse) < 1e-6
+
+
 def test_window_over_buffer_checks_its_shapes():
     x = _buffer_inputs(1, 3, 2, 2, 16, 4, 2, 2)
     with pytest.raises(ValueError, match="window"):
-        ops.window_over_buffer(**{**x, "window": 5})
+        ops.window_over_buffer(**{**x, "window": 3})      # more rows than a window and the new tokens
     with pytest.raises(ValueError, match="sparse"):
         ops.window_over_buffer(**{**x, "mem_from": None})
 

@@ -393,3 +393,95 @@ def test_sparse_cache_needs_a_window():
         check_gla_options({"sparse_cache": 4})
     with pytest.raises(ValueError, match="whole number"):
         check_gla_options({"window": 4, "sparse_cache": -1})
+
+
+# --------------------------------------------------------------- buffers that grow as they fill
+def _positional_student(options, positions, layers=2):
+    """hybrid_student's with `positions` as max_position_embeddings, gates off their start."""
+    teacher = tiny_teacher("llama", layers=layers)
+    torch.manual_seed(0)
+    student = GLASwapForCausalLM(glaswap_config({**teacher.config.to_dict(), "max_position_embeddings": positions},
+                                                options))
+    student.load_state_dict(teacher.state_dict(), strict=False)
+    randomise_new_parameters(student)
+    return student.eval()
+
+
+def _buffer_bytes(cache):
+    return sum(t.numel() * t.element_size() for w in cache.windows if w is not None for t in w.tensors())
+
+
+def _static_cache(model, batch):
+    """A cache whose buffers start at their full sizes, as a captured decode graph's do."""
+    from glaswap.layers.gla_attention import feature_dim, state_heads
+    from glaswap.layers.hybrid_cache import HybridBuffers
+    from glaswap.models.modeling_glaswap import GLASwapCache
+
+    cfg = model.config
+    cache = GLASwapCache(cfg.num_hidden_layers)
+    keys = torch.zeros(1, 1, cfg.num_key_value_heads, cfg.head_dim)
+    features = torch.zeros(1, 1, state_heads(cfg), feature_dim(cfg))
+    cache.windows = [HybridBuffers.empty(batch, cfg.window, cfg.sinks, cfg.sparse_cache, keys, features, static=True)
+                     for _ in range(cfg.num_hidden_layers)]
+    return cache
+
+
+def test_a_short_prompt_takes_buffer_memory_for_its_own_tokens():
+    """A window, sinks and sparse cache as long as the model's positions: a 10-token prompt and a
+    few decode steps allocate rows for those tokens, not for 4096."""
+    W = 4096
+    model = _positional_student({"window": W, "sinks": W, "sparse_cache": W}, W)
+    ids = torch.randint(3, 120, (2, 10), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        cache = model(ids, use_cache=True).past_key_values
+        for _ in range(3):
+            model(ids[:, :1], past_key_values=cache, use_cache=True)
+    assert all(t.shape[1] <= 13 for w in cache.windows for t in w.tensors())
+    full = _buffer_bytes(_static_cache(model, 2))
+    assert _buffer_bytes(cache) <= full * 13 // W, (_buffer_bytes(cache), full)
+
+
+@pytest.mark.parametrize("sparse", [0, 512])
+def test_cached_reads_across_a_filling_window_match_a_full_buffer(sparse):
+    """Window = max_position_embeddings: prompts and decode steps that fill the window buffer
+    row by row, through W - 1, W and W + 1 tokens and past a whole window more, give the
+    whole-sequence logits (no sparse cache), and with a sparse cache those of a cache whose
+    buffers start at full size, as they did before they grew; and the buffers end full."""
+    from glaswap.decode_graph import disable_decode_graph, enable_decode_graph
+    from glaswap.models.modeling_glaswap import GLASwapCache
+
+    W = 512
+    model = _positional_student({"window": W, "sinks": 3, "sparse_cache": sparse}, W)
+    T = 2 * W + 70
+    ids = torch.randint(3, 120, (2, T), generator=torch.Generator().manual_seed(2))
+    cuts = [0, 5, 6, W - 3, W - 2, W - 1, W, W + 1, W + 2, W + 70, 2 * W - 1, 2 * W + 1, T]
+
+    def read(cache, grows=True):
+        out = []
+        for a, b in zip(cuts, cuts[1:]):
+            out.append(model(ids[:, a:b], past_key_values=cache, use_cache=True).logits)
+            rows = {w.window.keys.shape[1] for w in cache.windows}
+            assert rows == {min(W, b) if grows else W}, (b, rows)
+        return torch.cat(out, 1), cache
+
+    def prompt_then_steps(steps=4, prompt=20):
+        cache = GLASwapCache(model.config.num_hidden_layers)
+        model(ids[:, :prompt], past_key_values=cache, use_cache=True)
+        return torch.cat([model(ids[:, t:t + 1], past_key_values=cache, use_cache=True).logits
+                          for t in range(prompt, prompt + steps)], 1)
+
+    with torch.no_grad():
+        grown, cache = read(GLASwapCache(model.config.num_hidden_layers))
+        want = model(ids, use_cache=False).logits if not sparse else read(_static_cache(model, 2), grows=False)[0]
+        torch.testing.assert_close(grown, want, rtol=1e-4, atol=1e-4)
+        for w in cache.windows:
+            assert w.window.keys.shape[1] == W and w.sinks.keys.shape[1] == 3
+            assert w.sparse is None or w.sparse.keys.shape[1] == sparse
+        # decode steps after a short prompt through the graph's full-size static buffers
+        eager = prompt_then_steps()
+        enable_decode_graph(model, backend="replay")
+        try:
+            graphed = prompt_then_steps()
+        finally:
+            disable_decode_graph(model)
+    torch.testing.assert_close(graphed, eager, rtol=1e-4, atol=1e-4)

@@ -3,13 +3,19 @@
 A hybrid layer (config.window) attends exactly to each token's last W tokens and its
 document's first S tokens (the sinks); every older key reaches it through the GLA state,
 which it enters once it leaves the window. Reading with a cache (a prompt in one or more
-calls, decode steps), a layer keeps at a fixed size:
+calls, decode steps), a layer keeps:
 - `WindowBuffer`: the last W tokens' rotated keys, values, feature-mapped keys, positions;
 - `SinkBuffer`: the S sinks' keys turned back by W steps (`ExactInputs`), values, positions;
 - `SparseBuffer` (config.sparse_cache = M): M older keys that the state recalls worst, kept
   out of it and attended exactly, as the sinks are.
 Position -1 marks an empty slot or padding. `stream` reads new tokens after these buffers
 and a state, and returns the buffers and state after them.
+
+The buffers grow with what they hold, up to W, S and M rows: a window, sinks or sparse cache
+as long as the model's positions costs nothing until a context fills it. A window buffer of
+L < W rows stands for W rows whose first W - L are empty; a sink buffer of fewer than S rows
+(slot = position) and a sparse buffer of fewer than M for ones whose missing slots are empty.
+A captured decode graph needs fixed shapes and takes them at full size (`static`, `sized`).
 
 This file is copied into every saved model folder: it imports only torch and the GLA ops.
 """
@@ -90,21 +96,45 @@ class HybridBuffers(TensorGroup):
     sparse: SparseBuffer | None = None
 
     @classmethod
-    def empty(cls, batch, window, sinks, sparse, keys_like, features_like):
-        """Buffers before any token. keys_like: a [.., .., Hkv, D] tensor of the keys' dtype and
-        device; features_like: a [.., .., Hs, F] tensor of phi(k)'s."""
+    def empty(cls, batch, window, sinks, sparse, keys_like, features_like, static=False):
+        """Buffers before any token: no rows, to grow as tokens arrive, or with `static` W, S
+        and M empty rows, the fixed shapes a captured graph reads. keys_like: a [.., .., Hkv, D]
+        tensor of the keys' dtype and device; features_like: a [.., .., Hs, F] tensor of phi(k)'s."""
+        with_sparse = bool(sparse)
+        if not static:
+            window, sinks, sparse = 0, 0, 0
         dev = keys_like.device
         kv = lambda n: keys_like.new_zeros(batch, n, *keys_like.shape[2:])       # noqa: E731
         feats = lambda n: features_like.new_zeros(batch, n, *features_like.shape[2:])  # noqa: E731
         none = lambda *shape: torch.full(shape, -1, device=dev)                 # noqa: E731
         win = WindowBuffer(kv(window), kv(window), feats(window), none(batch, window),
-                           kv(window) if sparse else None)
+                           kv(window) if with_sparse else None)
         sparse_buf = None
-        if sparse:
+        if with_sparse:
             sparse_buf = SparseBuffer(kv(sparse), kv(sparse), feats(sparse),
                                       torch.zeros(batch, sparse, *features_like.shape[2:], device=dev),
                                       none(batch, sparse, keys_like.shape[2]))
         return cls(win, SinkBuffer(kv(sinks), kv(sinks), none(batch, sinks)), sparse_buf)
+
+    def sized(self, window, sinks, sparse) -> HybridBuffers:
+        """The same buffers at W, S and M rows (at least as many as they hold), the missing rows
+        empty: at the front of the window, after the sinks' and the sparse cache's slots."""
+        return HybridBuffers(_grown(self.window, window, True), _grown(self.sinks, sinks, False),
+                             None if self.sparse is None else _grown(self.sparse, sparse, False))
+
+
+def _grown(group: TensorGroup, rows, front):
+    """group with empty rows (position -1, zeros) added before (front) or after its own, up to
+    `rows`."""
+    return group.map(lambda t: _pad_rows(t, rows - t.shape[1], front, -1 if t.dtype == torch.long else 0))
+
+
+def _pad_rows(t, n, front, fill):
+    """t [B, rows, ...] with n more rows of `fill` before (front) or after its rows."""
+    if n <= 0:
+        return t
+    pad = t.new_full((t.shape[0], n, *t.shape[2:]), fill)
+    return torch.cat([pad, t] if front else [t, pad], 1)
 
 
 @dataclass
@@ -166,8 +196,10 @@ def prompt_order(buffers: HybridBuffers, state, pos, W, S):
     in_order = (pos == first + torch.arange(T, device=pos.device)).all()
     win, sinks = buffers.window.positions, buffers.sinks.positions
     empty = (first == 0).all() & (win < 0).all() & (sinks < 0).all()
-    full = (first >= W + S).all() & (win == first - W + torch.arange(W, device=pos.device)).all() \
-        & (sinks == torch.arange(S, device=pos.device)).all()
+    full = torch.zeros((), dtype=torch.bool, device=pos.device)
+    if win.shape[1] == W and sinks.shape[1] == S:        # buffers still growing are not full
+        full = (first >= W + S).all() & (win == first - W + torch.arange(W, device=pos.device)).all() \
+            & (sinks == torch.arange(S, device=pos.device)).all()
     in_order, empty, full = torch.stack([in_order, empty, full]).tolist()
     if not in_order:
         return None
@@ -179,20 +211,31 @@ def _stream_block(layer, q, k, v, g, exact, pos, before, state, cached, order=No
     W, S = layer.window, layer.sinks
     T = q.shape[1]
     win = before.window
-    keys = torch.cat([win.keys, exact.k_rotated], 1)                 # [B, W + T, Hkv, D]
-    values = torch.cat([win.values, exact.values], 1)
-    feature_keys = torch.cat([win.feature_keys, k], 1)
-    key_pos = torch.cat([win.positions, pos], 1)
+    held = win.positions.shape[1]
+    # A buffer of fewer than W rows stands for W whose first ones are empty. As many of those
+    # as the new tokens need stand in front, so that row t of the concatenation is still the
+    # key that leaves the window at new step t (an empty row: none leaves).
+    front = min(W - held, T)
+
+    def rows(buffer, new, fill=0):
+        return torch.cat([_pad_rows(buffer, front, True, fill), new], 1)
+
+    keys = rows(win.keys, exact.k_rotated)                             # [B, front + held + T, Hkv, D]
+    values = rows(win.values, exact.values)
+    feature_keys = rows(win.feature_keys, k)
+    key_pos = rows(win.positions, pos, -1)
     # New step t takes into the state the key that leaves the window then: index t of the
     # concatenation (W steps back), unless it is padding, empty or a sink (or, with a sparse
     # cache, kept there).
     enter = (key_pos[:, :T] >= S)[:, :, None]                          # [B, T, 1]
     sparse, visible_from, turned = None, None, None
     if layer.sparse:
-        turned = torch.cat([win.turned_keys, exact.k_turned], 1)
+        turned = rows(win.turned_keys, exact.k_turned)
+        # the cache grows by the rows that can leave the window, never past M
+        slots = min(layer.sparse, before.sparse.positions.shape[1] + T - front)
         kept, sparse, visible_from, state = sparse_select(
             before.sparse, state, feature_keys[:, :T], values[:, :T], turned[:, :T], key_pos[:, :T], g, S,
-            layer.per_state_head)
+            layer.per_state_head, slots)
         enter = enter & ~kept                                          # [B, T, Hkv]
     enter = layer.per_state_head(enter[..., None])                     # [B, T, Hs or 1, 1]
     k_in = feature_keys[:, :T] * enter.to(feature_keys.dtype)
@@ -202,7 +245,7 @@ def _stream_block(layer, q, k, v, g, exact, pos, before, state, cached, order=No
     else:
         o_lin, state = chunk_gla(q, k_in, v_in, g, scale=layer.scale, initial_state=state,
                                  output_final_state=cached, backend=layer.backend, normalizer=True)
-    after = HybridBuffers(_last_rows(keys, values, feature_keys, key_pos, turned, W),
+    after = HybridBuffers(_last_rows(keys, values, feature_keys, key_pos, turned, min(W, held + T)),
                           _sinks_after(before.sinks, exact, pos, S), sparse)
     if order == "empty":     # the prompt alone: the whole-sequence window kernel
         o_win, lse = window_attention(exact.q_rotated, exact.k_rotated, exact.values, W, S, scale=layer.softmax_scale,
@@ -220,20 +263,25 @@ def _stream_block(layer, q, k, v, g, exact, pos, before, state, cached, order=No
     return layer.combine(o_win, lse, o_lin), after, state
 
 
-def _last_rows(keys, values, feature_keys, key_pos, turned, W):
-    """The window after the new tokens: the last W rows. After several new tokens they are
-    copied, since a view would keep a whole prefill's keys alive; after one (a decode step) a
-    view holds a single row more, and saves a copy."""
-    last = (lambda t: t[:, -W:]) if keys.shape[1] == W + 1 else (lambda t: t[:, -W:].clone())
+def _last_rows(keys, values, feature_keys, key_pos, turned, n):
+    """The window after the new tokens: the last n rows (W, or all there are while fewer).
+    Where more than one row drops they are copied, since a view would keep a whole prefill's
+    keys alive; after a decode step a view holds a single row more, and saves a copy."""
+    last = (lambda t: t[:, -n:]) if keys.shape[1] <= n + 1 else (lambda t: t[:, -n:].clone())
     return WindowBuffer(last(keys), last(values), last(feature_keys), last(key_pos),
                         None if turned is None else last(turned))
 
 
 def _sinks_after(sinks: SinkBuffer, exact: ExactInputs, pos, S):
-    """The sink buffer with the sinks among the new tokens written into their slots."""
+    """The sink buffer with the sinks among the new tokens written into their slots. It grows
+    with the tokens read, up to S slots: a token's position never exceeds the count of tokens
+    read before it (positions count the real tokens, padding has none), so it has its slot."""
     if not S:
         return sinks
-    slots = torch.arange(S, device=pos.device)
+    n = min(S, sinks.positions.shape[1] + pos.shape[1])
+    if n > sinks.positions.shape[1]:
+        sinks = _grown(sinks, n, False)
+    slots = torch.arange(n, device=pos.device)
     hit = pos[:, :, None] == slots                                     # [B, T, S]
     got = hit.any(1)                                                   # [B, S]
     weights = hit.to(exact.k_turned.dtype)
@@ -244,7 +292,8 @@ def _sinks_after(sinks: SinkBuffer, exact: ExactInputs, pos, S):
                       torch.where(got, slots.expand_as(got), sinks.positions))
 
 
-def sparse_select(cache: SparseBuffer, state, feature_keys, values, turned_keys, key_pos, g, S, per_state_head):
+def sparse_select(cache: SparseBuffer, state, feature_keys, values, turned_keys, key_pos, g, S, per_state_head,
+                  slots=None):
     """Which tokens a sparse cache keeps (after LoLA, arXiv 2505.23666). The cache's own keys and
     those leaving the window in this block compete, and the M that the state recalls worst
     (largest ||v - S^T phi(k) / z^T phi(k)||^2 with every candidate in S, averaged over the
@@ -253,13 +302,14 @@ def sparse_select(cache: SparseBuffer, state, feature_keys, values, turned_keys,
     rest, such as a number stated once, stays exact. A cache key that loses enters the state
     now with the decay it would have had since its own step.
 
-    Returns (kept [B, T, Hkv] for the leaving rows, the cache after this block, visible_from
-    [B, M, Hkv]: the block row from which each kept key is attended (negative: from before the
-    block, -1 for an empty slot), the state with the evicted keys added). Fixed shapes: a decode
-    step stays capturable."""
+    Returns (kept [B, T, Hkv] for the leaving rows, the cache after this block, of `slots` rows
+    (default: as many as before), visible_from [B, slots, Hkv]: the block row from which each
+    kept key is attended (negative: from before the block, -1 for an empty slot), the state with
+    the evicted keys added). Fixed shapes at fixed slots: a decode step stays capturable."""
     B, T, Hs, F = feature_keys.shape
     Hkv = values.shape[2]
     M = cache.positions.shape[1]
+    slots = M if slots is None else slots
     cand_fk = torch.cat([cache.feature_keys, feature_keys], 1)                      # [B, M + T, Hs, F]
     cand_v = torch.cat([cache.values, values], 1)                                   # [B, M + T, Hkv, D]
     cand_pos = torch.cat([cache.positions, key_pos[:, :, None].expand(B, T, Hkv)], 1)   # [B, M + T, Hkv]
@@ -278,7 +328,7 @@ def sparse_select(cache: SparseBuffer, state, feature_keys, values, turned_keys,
     # One choice per token for all of the layer's KV heads, so each head holds every token the
     # cache keeps (choices per head would keep different digits of a number in each head)
     score = miss.mean(-1).masked_fill(~ok[..., 0], -math.inf)                       # [B, M + T]
-    top, idx = (t[..., None].expand(B, M, Hkv) for t in score.topk(M, dim=1))      # [B, M, Hkv]
+    top, idx = (t[..., None].expand(B, slots, Hkv) for t in score.topk(slots, dim=1))  # [B, slots, Hkv]
     live = top > -math.inf
     kept = torch.zeros_like(ok).scatter(1, idx, live)                              # [B, M + T, Hkv]
     # cache keys that lose go into the state; row t of this block would enter at step t

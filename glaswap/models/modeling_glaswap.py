@@ -98,13 +98,14 @@ def positions_from_mask(attention_mask, past, T):
 class GLASwapCache(Cache):
     """Recurrent state per GLA layer ([B, state heads, K, V] float32; the state heads are the
     KV heads unless state_heads="query"), the number of tokens seen, for hybrid layers
-    (config.window) a fixed-size buffer per layer: the last `window` tokens' keys and values
-    and the first `sinks` tokens' (hybrid_cache.HybridBuffers), and for the softmax layers of
-    a mixed model (config.softmax_layers) a KV cache each (softmax_attention.KVBuffer), with a
-    per-row mask of which keys are real tokens, not padding.
+    (config.window) buffers per layer: the last `window` tokens' keys and values and the first
+    `sinks` tokens' (hybrid_cache.HybridBuffers), and for the softmax layers of a mixed model
+    (config.softmax_layers) a KV cache each (softmax_attention.KVBuffer), with a per-row mask
+    of which keys are real tokens, not padding.
 
-    Only the softmax layers' KV grows with the context. transformers' `Cache.get_seq_length()`
-    raises when every layer is linear, so the count is kept here.
+    A hybrid layer's buffers grow with the first tokens up to their configured sizes and stay
+    there; only the softmax layers' KV grows with the whole context. transformers'
+    `Cache.get_seq_length()` raises when every layer is linear, so the count is kept here.
     """
 
     is_compileable = False

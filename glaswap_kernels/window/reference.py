@@ -155,8 +155,9 @@ def window_over_buffer_torch(q_r, q_s, k, v, key_pos, sink_k, sink_v, sink_pos, 
 
     q_r, q_s [B, T, H, D]: the queries rotated (scoring the window) and as the sinks and the
     sparse cache are scored. k, v [B, window + T, Hkv, D]: the window buffer followed by the
-    new tokens, at key_pos [B, window + T] (-1 = empty slot). Query t sees the keys at rows
-    t + 1 .. window + t (itself always), the sinks (sink_k, sink_v [B, S, Hkv, D] at sink_pos
+    new tokens, at key_pos [B, window + T] (-1 = empty slot); a buffer still growing may have
+    L < window rows, standing for `window` whose first window - L are empty. Query t sees the
+    keys at rows t + 1 .. window + t (itself always), the sinks (sink_k, sink_v [B, S, Hkv, D] at sink_pos
     [B, S], -1 = none) once they are `window` or more positions back (pos [B, T]: the queries'
     positions), and the sparse cache's keys (mem_k, mem_v [B, M, Hkv, D] at mem_pos [B, M, Hkv])
     from query mem_from [B, M, Hkv] on. Returns (o [B, T, H, D] in q_r's dtype, lse [B, T, H]
@@ -164,8 +165,10 @@ def window_over_buffer_torch(q_r, q_s, k, v, key_pos, sink_k, sink_v, sink_pos, 
     B, T, H, D = q_r.shape
     Hkv = k.shape[2]
     G, W = H // Hkv, window
+    L = k.shape[1] - T                      # the buffer's rows; row r stands at r + W - L of a full one
     if T == 1 and mem_k is None:
-        return _one_query(q_r, q_s, k[:, 1:], v[:, 1:], key_pos[:, 1:], sink_k, sink_v, sink_pos, pos, W, scale)
+        a = max(0, L + 1 - W)
+        return _one_query(q_r, q_s, k[:, a:], v[:, a:], key_pos[:, a:], sink_k, sink_v, sink_pos, pos, W, scale)
     # a KV head's G query heads are scored as one matrix: [B, n, H, D] -> [B, Hkv, G n, D]
     queries = lambda x: x.float().view(B, -1, Hkv, G, D).permute(0, 2, 3, 1, 4).reshape(B, Hkv, -1, D)  # noqa: E731
     keys = lambda x: x.float().transpose(1, 2)                                 # noqa: E731  [B, Hkv, N, D]
@@ -182,12 +185,13 @@ def window_over_buffer_torch(q_r, q_s, k, v, key_pos, sink_k, sink_v, sink_pos, 
     for a in range(0, T, block):
         b = min(T, a + block)
         n = b - a
-        kk, vv = keys(k[:, a + 1:W + b]), keys(v[:, a + 1:W + b])                # keys a+1 .. W+b-1
+        lo = max(0, a + 1 + L - W)
+        kk, vv = keys(k[:, lo:L + b]), keys(v[:, lo:L + b])                        # keys lo .. L+b-1
         t = torch.arange(a, b, device=q_r.device)[:, None]
-        j = torch.arange(a + 1, W + b, device=q_r.device)[None, :]
-        in_window = (j >= t + 1) & (j <= W + t)                                    # [n, keys]
-        live = key_pos[:, a + 1:W + b] >= 0                                        # [B, keys]
-        allowed = in_window[None] & (live[:, None, :] | (j == W + t)[None])        # a query sees itself
+        j = torch.arange(lo, L + b, device=q_r.device)[None, :]
+        in_window = (j >= t + 1 + L - W) & (j <= L + t)                            # [n, keys]
+        live = key_pos[:, lo:L + b] >= 0                                           # [B, keys]
+        allowed = in_window[None] & (live[:, None, :] | (j == L + t)[None])        # a query sees itself
         s = (scale * queries(q_r[:, a:b]) @ kk.transpose(-1, -2)).view(B, Hkv, G, n, -1)
         s = s.masked_fill(~allowed[:, None, None], float("-inf"))
         if apart:
@@ -204,8 +208,8 @@ def window_over_buffer_torch(q_r, q_s, k, v, key_pos, sink_k, sink_v, sink_pos, 
 
 def _one_query(q_r, q_s, k, v, key_pos, sink_k, sink_v, sink_pos, pos, window, scale):
     """window_over_buffer_torch for one new query (a decode step, no sparse cache), in few
-    operations: it sees the W rows of k, v [B, W, Hkv, D] that are live (itself, the last,
-    always) and the sinks `window` or more positions back."""
+    operations: it sees the rows of k, v [B, W or fewer, Hkv, D] that are live (itself, the
+    last, always) and the sinks `window` or more positions back."""
     B, _, H, D = q_r.shape
     W, Hkv = k.shape[1], k.shape[2]
     G = H // Hkv
