@@ -66,3 +66,24 @@ def test_bf16_inputs_give_bf16_outputs_close_to_fp32():
     o, _ = chunk_gla_torch(q, k, v, g)
     ref, _ = recurrent_gla_torch(q.float(), k.float(), v.float(), g.float())
     assert o.dtype == torch.bfloat16 and rel_rms(o, ref) < 1e-2
+
+
+@pytest.mark.parametrize("B,T,H,D,pm", [(1, 1, 9, 64, False), (2, 37, 3, 48, False), (2, 5, 4, 16, True)])
+def test_feature_map_is_its_einsum(B, T, H, D, pm):
+    """feature_map_torch's per-head matmul is softmax(einsum("bthd,hde->bthe", rope(x), W)), with
+    its gradients."""
+    from glaswap_kernels.gla.reference import apply_rope, feature_map_torch
+
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(B, T, H, D, generator=gen, requires_grad=True)
+    w = (torch.eye(D) + 0.3 * torch.randn(H, D, D, generator=gen)).requires_grad_()
+    angle = torch.randn(1, T, D // 2, generator=gen).repeat(1, 1, 2)
+    cos, sin = angle.cos(), angle.sin()
+    got = feature_map_torch(x, cos, sin, w, pm=pm)
+    xw = torch.einsum("bthd,hde->bthe", apply_rope(x, cos, sin), w)
+    want = torch.cat([xw.softmax(-1), (-xw).softmax(-1)], -1) if pm else xw.softmax(-1)
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-7)
+    dout = torch.randn(want.shape, generator=gen)
+    grads = torch.autograd.grad(got, (x, w), dout)
+    for a, b in zip(grads, torch.autograd.grad(want, (x, w), dout)):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)

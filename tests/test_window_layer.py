@@ -485,3 +485,24 @@ def test_cached_reads_across_a_filling_window_match_a_full_buffer(sparse):
         finally:
             disable_decode_graph(model)
     torch.testing.assert_close(graphed, eager, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("held", [0, 2, 4])
+def test_one_token_writes_its_sink_slot_as_a_prompt_does(held):
+    """_sinks_after's one-token path (a decode step) equals its general path: that token read
+    with a padding token after it. Rows at a sink position, past the sinks, and padding; a sink
+    buffer still growing (held < S) and a full one."""
+    from glaswap.layers.hybrid_cache import ExactInputs, SinkBuffer, _sinks_after
+
+    B, S, Hkv, D = 4, 4, 2, 8
+    gen = torch.Generator().manual_seed(0)
+    sinks = SinkBuffer(torch.randn(B, held, Hkv, D, generator=gen), torch.randn(B, held, Hkv, D, generator=gen),
+                       torch.tensor([list(range(held)), [-1] * held, list(range(held)), [-1] * held]).view(B, held))
+    pos = torch.tensor([[held], [1], [9], [-1]])
+    new = ExactInputs(*(torch.randn(B, 2, h, D, generator=gen) for h in (3, Hkv, Hkv, 3, Hkv)))
+    one = _sinks_after(sinks, new.rows(slice(0, 1)), pos, S)
+    both = _sinks_after(sinks, new, torch.cat([pos, torch.full_like(pos, -1)], 1), S)
+    n = one.positions.shape[1]
+    assert n == min(S, held + 1)
+    for a, b in zip(one.tensors(), both.tensors()):
+        assert torch.equal(a, b[:, :n])

@@ -407,12 +407,12 @@ class GLAAttention(nn.Module):
         layer's HybridBuffers stand before the new tokens (hybrid_cache.stream)."""
         cfg = self.config
         B, T = q.shape[:2]
-        valid = attention_mask[:, -T:].bool() if attention_mask is not None and attention_mask.dim() == 2 \
-            else torch.ones(B, T, dtype=torch.bool, device=q.device)
         if position_ids is None:
             past = cache.seen_tokens if cache is not None else 0
             position_ids = torch.arange(past, past + T, device=q.device)[None]
-        pos = torch.where(valid, position_ids.expand(B, T).long(), -1)
+        pos = position_ids.expand(B, T).long()
+        if attention_mask is not None and attention_mask.dim() == 2:
+            pos = torch.where(attention_mask[:, -T:].bool(), pos, -1)
         sparse = cfg.sparse_cache if cache is not None else 0
         buffers = cache.window_buffers(self.layer_idx) if cache is not None else None
         if buffers is None:

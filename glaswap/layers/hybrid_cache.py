@@ -239,10 +239,12 @@ def _stream_block(layer, q, k, v, g, exact, pos, before, state, cached, order=No
         enter = enter & ~kept                                          # [B, T, Hkv]
     enter = layer.per_state_head(enter[..., None])                     # [B, T, Hs or 1, 1]
     k_in = feature_keys[:, :T] * enter.to(feature_keys.dtype)
-    v_in = layer.per_state_head(values[:, :T]) * enter.to(values.dtype)
     if cached and T == 1 and not torch.is_grad_enabled():
-        o_lin, state = decode_step(q, k_in, with_ones(v_in), g, layer.scale, state, layer.backend)
+        # the state adds k_in v^T: with k_in zero where nothing enters, v needs no mask
+        o_lin, state = decode_step(q, k_in, with_ones(layer.per_state_head(values[:, :T])), g, layer.scale, state,
+                                   layer.backend)
     else:
+        v_in = layer.per_state_head(values[:, :T]) * enter.to(values.dtype)
         o_lin, state = chunk_gla(q, k_in, v_in, g, scale=layer.scale, initial_state=state,
                                  output_final_state=cached, backend=layer.backend, normalizer=True)
     after = HybridBuffers(_last_rows(keys, values, feature_keys, key_pos, turned, min(W, held + T)),
@@ -282,6 +284,12 @@ def _sinks_after(sinks: SinkBuffer, exact: ExactInputs, pos, S):
     if n > sinks.positions.shape[1]:
         sinks = _grown(sinks, n, False)
     slots = torch.arange(n, device=pos.device)
+    if pos.shape[1] == 1:
+        # One new token (a decode step): it fills its own slot, if any; the same as the
+        # general path below, in a few operations.
+        got = (pos == slots)[:, :, None, None]                         # [B, S, 1, 1]
+        return SinkBuffer(torch.where(got, exact.k_turned, sinks.keys), torch.where(got, exact.values, sinks.values),
+                          torch.where(pos == slots, slots, sinks.positions))
     hit = pos[:, :, None] == slots                                     # [B, T, S]
     got = hit.any(1)                                                   # [B, S]
     weights = hit.to(exact.k_turned.dtype)

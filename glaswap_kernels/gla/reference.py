@@ -175,7 +175,11 @@ def feature_map_torch(x, cos=None, sin=None, weight=None, softmax=True, pm=False
     dtype = x.dtype
     x = x.float()
     if weight is not None:
-        x = torch.einsum("bthd,hde->bthe", x, weight.float())
+        # x W_h per head as one batched matmul over the heads ([H, B T, D] @ [H, D, E]): what
+        # einsum("bthd,hde->bthe") computes, without its extra reshapes
+        B, T, H, D = x.shape
+        x = torch.matmul(x.permute(2, 0, 1, 3).reshape(H, B * T, D), weight.float()).view(H, B, T, -1) \
+            .permute(1, 2, 0, 3)
     if pm:
         return torch.cat([torch.softmax(x, dim=-1), torch.softmax(-x, dim=-1)], dim=-1).to(dtype)
     return torch.softmax(x, dim=-1).to(dtype)
