@@ -87,7 +87,8 @@ def time_decode(model, prompt, new_tokens: int, warmup: int = 2) -> dict:
 
     Works for a glaswap model (recurrent state) and any Hugging Face causal LM (its usual
     KV cache). Peak memory is measured over the decode steps only (weights, the cache, the
-    step's temporaries); the prefill's own peak is reported apart.
+    step's temporaries); the prefill's own peak is reported apart. `last_token`: each row's
+    last greedy token, which any two ways of decoding the same model must agree on.
     """
     device = prompt.device
     _free(device)
@@ -112,17 +113,85 @@ def time_decode(model, prompt, new_tokens: int, warmup: int = 2) -> dict:
     seconds = time.perf_counter() - t0
     peak = _peak_gib(device)
     B = prompt.shape[0]
+    last = token[:, 0].tolist()
     del cache, token
     _free(device)
     ms = 1000 * seconds / new_tokens
     return {"ms_per_step": ms, "tokens_per_s": B * 1000 / ms, "peak_gib": peak, "prefill_s": prefill_s,
-            "prefill_peak_gib": prefill_peak}
+            "prefill_peak_gib": prefill_peak, "last_token": last}
+
+
+@torch.no_grad()
+def time_decode_static(model, prompt, new_tokens: int, warmup: int = 2, graph: bool = True) -> dict:
+    """A Hugging Face causal LM decoding as a user would run it for speed: a static KV cache
+    (transformers' StaticCache, allocated once for the prompt and every new token) and, on
+    CUDA with `graph`, each step replayed from one captured CUDA graph, which also feeds the
+    step's token and position back into its inputs. Same measurements as `time_decode`."""
+    from transformers import StaticCache
+
+    device = prompt.device
+    B, T = prompt.shape
+    _free(device)
+    _sync(device)
+    _reset_peak(device)
+    t0 = time.perf_counter()
+    # The prompt is read as usual (a static cache's full-length mask would make SDPA's prefill
+    # quadratic in memory), then its keys and values are written into the static cache.
+    out = model(input_ids=prompt, use_cache=True, logits_to_keep=1)
+    token = out.logits[:, -1:].argmax(-1)
+    cache = StaticCache(config=model.config, max_cache_len=T + warmup + new_tokens + 1)
+    positions = {"cache_position": torch.arange(T, device=device)}
+    for i, layer in enumerate(cache_of(out).layers):
+        cache.update(layer.keys, layer.values, i, positions)
+    _sync(device)
+    prefill_s = time.perf_counter() - t0
+    prefill_peak = _peak_gib(device)
+    del out
+    _free(device)
+    _reset_peak(device)
+    step_token, position = token.clone(), torch.tensor([T], device=device)
+
+    def step():  # one token: its logits, then the next step's inputs in place
+        nxt = model(input_ids=step_token, **{CACHE_NAME: cache}, cache_position=position,
+                    use_cache=True).logits[:, -1:].argmax(-1)
+        step_token.copy_(nxt)
+        position.add_(1)
+
+    replay, graphed = step, graph and device.type == "cuda"
+    if graphed:
+        side = torch.cuda.Stream(device)
+        side.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(side):  # capture needs its allocations warmed up off the main stream
+            for _ in range(warmup):
+                step()
+        torch.cuda.current_stream(device).wait_stream(side)
+        captured = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(captured):
+            step()
+        replay = captured.replay
+    else:
+        for _ in range(warmup):
+            step()
+    _sync(device)
+    t0 = time.perf_counter()
+    for _ in range(new_tokens):
+        replay()
+    _sync(device)
+    seconds = time.perf_counter() - t0
+    peak = _peak_gib(device)
+    last = step_token[:, 0].tolist()
+    del cache, replay
+    _free(device)
+    ms = 1000 * seconds / new_tokens
+    return {"ms_per_step": ms, "tokens_per_s": B * 1000 / ms, "peak_gib": peak, "prefill_s": prefill_s,
+            "prefill_peak_gib": prefill_peak, "graph": graphed, "last_token": last}
 
 
 def bench_decode(student, teacher=None, contexts=DEFAULT_CONTEXTS, batch_size: int = 1, new_tokens: int = 32,
                  graph: str = "auto", seed: int = 0, log=print) -> list[dict]:
     """Decode speed and memory of the GLA model (eager, and CUDA-graph on CUDA) and of the teacher
-    with its KV cache, after a prefill of `context` random tokens, at each context."""
+    with Hugging Face's dynamic KV cache and with a static one (CUDA-graph on CUDA), after a
+    prefill of `context` random tokens, at each context. `speedup` is against the faster teacher."""
     device = student.lm_head.weight.device
     use_graph = want_graph(graph, device)
     student.set_attention_mode("gla")
@@ -161,29 +230,35 @@ def bench_decode(student, teacher=None, contexts=DEFAULT_CONTEXTS, batch_size: i
                 disable_decode_graph(student)
         if teacher is not None:
             row["teacher"] = time_decode(teacher, prompt, new_tokens)
-            row["speedup"] = row["student"]["tokens_per_s"] / row["teacher"]["tokens_per_s"]
+            try:
+                row["teacher_static"] = time_decode_static(teacher, prompt, new_tokens, graph=device.type == "cuda")
+            except Exception as e:  # a model whose cache cannot be static: the dynamic cache stays the baseline
+                row["static_error"] = f"{type(e).__name__}: {e}"
+                log(f"the teacher's static-cache decode failed at context {ctx}: {row['static_error']}")
+                _free(device)
+            best = max((row[k] for k in ("teacher", "teacher_static") if k in row), key=lambda t: t["tokens_per_s"])
+            row["speedup"] = row["student"]["tokens_per_s"] / best["tokens_per_s"]
         rows.append(row)
         log(format_bench([row], header=not rows[:-1]))
     return rows
 
 
 def format_bench(rows, header=True) -> str:
-    """The benchmark table; tok/s counts every row of the batch, peaks are while decoding."""
+    """The benchmark table; tok/s counts every row of the batch, peaks are while decoding;
+    speedup is against the faster of the teacher's two caches."""
     def gib(x):
         return "n/a" if x is None else f"{x:.2f}"
 
     cols = ("context", "GLA ms/tok", "tok/s", "peak GiB", "eager ms/tok", "prefill s", "eager prefill s",
-            "teacher ms/tok", "tok/s", "peak GiB", "prefill s", "speedup")
+            "teacher ms/tok", "peak GiB", "prefill s", "static ms/tok", "peak GiB", "speedup")
     lines = ["  ".join(f"{c:>{max(len(c), 8)}}" for c in cols)] if header else []
     for r in rows:
-        s, e, t = r["student"], r["student_eager"], r.get("teacher")
+        s, e, t, st = r["student"], r["student_eager"], r.get("teacher"), r.get("teacher_static")
         cells = [str(r["context"]), f"{s['ms_per_step']:.2f}", f"{s['tokens_per_s']:.1f}", gib(s["peak_gib"]),
                  f"{e['ms_per_step']:.2f}", f"{s['prefill_s']:.3f}", f"{e['prefill_s']:.3f}"]
-        if t is not None:
-            cells += [f"{t['ms_per_step']:.2f}", f"{t['tokens_per_s']:.1f}", gib(t["peak_gib"]),
-                      f"{t['prefill_s']:.3f}", f"{r['speedup']:.2f}x"]
-        else:
-            cells += ["-"] * 5
+        cells += [f"{t['ms_per_step']:.2f}", gib(t["peak_gib"]), f"{t['prefill_s']:.3f}"] if t else ["-"] * 3
+        cells += [f"{st['ms_per_step']:.2f}", gib(st["peak_gib"])] if st else ["-"] * 2
+        cells += [f"{r['speedup']:.2f}x" if "speedup" in r else "-"]
         lines.append("  ".join(f"{c:>{max(len(h), 8)}}" for c, h in zip(cells, cols)))
     return "\n".join(lines)
 
@@ -208,14 +283,21 @@ def plot_bench(rows, path: Path, title: str):
     if any(r["student_eager"]["tokens_per_s"] != r["student"]["tokens_per_s"] for r in rows):
         ax1.plot(ctx, [r["student_eager"]["tokens_per_s"] for r in rows], "o:", color="C1", label="GLA model (eager)")
     if rows and "teacher" in rows[0]:
-        ax1.plot(ctx, [r["teacher"]["tokens_per_s"] for r in rows], "s-", color="C2", label="teacher (KV cache)")
+        ax1.plot(ctx, [r["teacher"]["tokens_per_s"] for r in rows], "s-", color="C2", label="teacher (dynamic KV cache)")
+    static = [r for r in rows if "teacher_static" in r]
+    if static:
+        ax1.plot([r["context"] for r in static], [r["teacher_static"]["tokens_per_s"] for r in static], "s--",
+                 color="C3", label="teacher (static KV cache" + (", CUDA graph)" if static[0]["teacher_static"]["graph"] else ")"))
     ax1.set_ylabel("decode tokens / s")
     ax1.set_ylim(bottom=0)
     if memory:
         ax2 = axes[0][1]
         ax2.plot(ctx, [r["student"]["peak_gib"] for r in rows], "o-", color="C0", label="GLA model")
         if "teacher" in rows[0]:
-            ax2.plot(ctx, [r["teacher"]["peak_gib"] for r in rows], "s-", color="C2", label="teacher (KV cache)")
+            ax2.plot(ctx, [r["teacher"]["peak_gib"] for r in rows], "s-", color="C2", label="teacher (dynamic KV cache)")
+        if static:
+            ax2.plot([r["context"] for r in static], [r["teacher_static"]["peak_gib"] for r in static], "s--",
+                     color="C3", label="teacher (static KV cache)")
         ax2.set_ylabel("peak memory while decoding (GiB)")
         ax2.set_ylim(bottom=0)
     for ax in axes[0]:
