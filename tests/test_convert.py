@@ -66,6 +66,70 @@ assert diff == 0.0, diff
     assert "maxdiff 0.0" in proc.stdout
 
 
+PLAIN_TOKENIZER = """
+import sys
+sys.modules["glaswap"] = sys.modules["glaswap_kernels"] = None
+from transformers import AutoTokenizer
+tok = AutoTokenizer.from_pretrained({folder!r})
+print("ids", tok("hi")["input_ids"])
+"""
+
+MODEL_NEEDS_TRUST = """
+import sys
+sys.modules["glaswap"] = sys.modules["glaswap_kernels"] = None
+from transformers import AutoModel, AutoModelForCausalLM
+for auto in (AutoModelForCausalLM, AutoModel):
+    try:
+        m = auto.from_pretrained({folder!r})
+        print(auto.__name__, "loaded without trust_remote_code as", type(m).__name__)
+    except ValueError as e:
+        print(auto.__name__, "refused", "trust_remote_code=True" in str(e))
+print("---")
+m = AutoModelForCausalLM.from_pretrained({folder!r}, trust_remote_code=True)
+print("trusted", type(m).__name__, m.config.model_type)
+"""
+
+
+def _fresh(code: str, cwd):
+    """`code` in a fresh process without glaswap, its stdin at /dev/null (nobody to answer a
+    prompt); stdout and stderr together."""
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "TRUST_REMOTE_CODE_TIMEOUT")}
+    env["HF_HUB_OFFLINE"] = "1"
+    proc = subprocess.run([sys.executable, "-c", code], cwd=str(cwd), env=env, stdin=subprocess.DEVNULL,
+                          capture_output=True, text=True, timeout=600)
+    return proc.returncode, proc.stdout + proc.stderr
+
+
+@pytest.mark.compat
+def test_tokenizer_loads_plainly_while_the_model_needs_trust_remote_code(tmp_path):
+    """A converted folder's tokenizer loads with AutoTokenizer alone: no "run the custom code?
+    [y/N]" prompt and no warning of a model of type '' (issue 53). The model still loads only
+    with trust_remote_code=True; without it transformers refuses, never loads another class."""
+    from helpers import ascii_tokenizer
+
+    src = save_teacher(tiny_teacher("llama"), tmp_path / "src")
+    ascii_tokenizer(eos_token="\x03").save_pretrained(str(src))
+    out = tmp_path / "out"
+    convert(str(src), out, report=False, log=lambda *_: None)
+
+    rc, text = _fresh(PLAIN_TOKENIZER.format(folder=str(out)), tmp_path)
+    assert rc == 0, text[-3000:]
+    assert "ids [104, 105]" in text, text[-3000:]
+    for asked in ("[y/N]", "custom code", "trust_remote_code", "model of type"):
+        assert asked not in text, text[-3000:]
+
+    rc, text = _fresh(MODEL_NEEDS_TRUST.format(folder=str(out)), tmp_path)
+    assert rc == 0, text[-3000:]
+    untrusted, trusted = text.split("---\n")
+    assert "AutoModelForCausalLM refused True" in untrusted and "AutoModel refused True" in untrusted, text[-3000:]
+    assert "loaded without trust_remote_code" not in untrusted, text[-3000:]
+    assert "trusted GLASwapForCausalLM glaswap" in trusted, text[-3000:]
+    assert "model of type" not in trusted, trusted[-3000:]
+
 @pytest.mark.compat
 def test_saved_code_loads_where_triton_is_missing(tmp_path):
     """transformers refuses remote code whose files import a missing package outside a try

@@ -12,6 +12,17 @@ from transformers import PretrainedConfig
 from glaswap.models.gla_options import BEFORE_OPTION, GLA_OPTIONS, check_gla_options, parse_softmax_layers
 
 
+# The model_type a saved config.json names, in place of "glaswap". AutoTokenizer reads the
+# folder's config with AutoConfig first, and AutoConfig asks "Do you wish to run the custom
+# code? [y/N]" for a type transformers does not know when auto_map names a config class
+# (then, answered no, warns of a model of type ''). For a type it knows it does not ask, so
+# the tokenizer loads plainly. This type has a config class in transformers but no model
+# class under any AutoModel*, so the model still loads only with trust_remote_code=True
+# (auto_map) and without it fails as before, never as some other architecture. Loaded by
+# this class the config is "glaswap" again; a folder saved as "glaswap" still loads.
+SAVED_MODEL_TYPE = "t5_gemma_module"
+
+
 class GLASwapConfig(PretrainedConfig):
     """The teacher's shape (the arguments below) and the GLA options, which come as keyword
     arguments named in GLA_OPTIONS (each left out takes its default)."""
@@ -44,6 +55,7 @@ class GLASwapConfig(PretrainedConfig):
         source_model_type="llama",
         **kwargs,
     ):
+        kwargs.pop("model_type", None)   # the class's, not config.json's SAVED_MODEL_TYPE
         self.vocab_size = vocab_size
         self.hidden_size = hidden_size
         self.intermediate_size = intermediate_size
@@ -80,3 +92,15 @@ class GLASwapConfig(PretrainedConfig):
 
     def gla_options(self):
         return {k: getattr(self, k) for k in GLA_OPTIONS}
+
+    def to_dict(self):
+        out = super().to_dict()
+        out["model_type"] = SAVED_MODEL_TYPE     # what config.json names (see SAVED_MODEL_TYPE)
+        return out
+
+    @classmethod
+    def get_config_dict(cls, *args, **kwargs):
+        config_dict, kwargs = super().get_config_dict(*args, **kwargs)
+        if config_dict.get("model_type") == SAVED_MODEL_TYPE:   # ours: no "model of type" warning
+            config_dict = dict(config_dict, model_type=cls.model_type)
+        return config_dict, kwargs
