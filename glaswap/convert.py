@@ -20,7 +20,7 @@ from glaswap.checkpoint import AUTO_MAP, FolderTensors, GGUFTensors, ShardWriter
     parse_size, write_model_code
 from glaswap.errors import GlaswapError
 from glaswap.layers.gla_attention import GLAAttention
-from glaswap.models.configuration_glaswap import GLASwapConfig
+from glaswap.models.configuration_glaswap import GLASwapConfig, written_by_glaswap
 from glaswap.models.gla_options import check_gla_options, parse_auto, parse_softmax_layers
 from glaswap.models.modeling_glaswap import GLASwapForCausalLM
 from glaswap.runtime import DTYPES, dtype_named, source_fingerprint, versions
@@ -151,6 +151,9 @@ def convert(source: str, out, *, options: dict | None = None, force: bool = Fals
     started = time.time()
     tensors = GGUFTensors(src.path) if src.kind == "gguf" else FolderTensors(src.path)
     src_config = tensors.config if src.kind == "gguf" else src.config
+    if written_by_glaswap(src_config):
+        raise GlaswapError(f"{src.spec} is a glaswap model already; convert its teacher, which its glaswap.json "
+                           f"names under source")
     config = _config_from(src_config, options, src.spec)
     out_dtype = _out_dtype(dtype, src, src_config)
     needed, new = expected_keys(config)

@@ -67,12 +67,9 @@ def check_model_folder(model_dir) -> dict:
     if not isinstance(cfg, dict) or not isinstance(meta, dict):
         raise GlaswapError(f"{path} is not a glaswap model (config.json or glaswap.json is not a JSON object); "
                            f"convert it again")
-    from glaswap.models.configuration_glaswap import GLASwapConfig, SAVED_MODEL_TYPE
+    from glaswap.models.configuration_glaswap import written_by_glaswap
 
-    ours = cfg.get("model_type") == GLASwapConfig.model_type or (   # "glaswap": a folder of before
-        cfg.get("model_type") == SAVED_MODEL_TYPE and isinstance(cfg.get("auto_map"), dict)
-        and cfg["auto_map"].get("AutoConfig") == f"configuration_glaswap.{GLASwapConfig.__name__}")
-    if not ours:
+    if not written_by_glaswap(cfg):
         raise GlaswapError(f"{path} is not a glaswap model (config.json model_type is "
                            f"{cfg.get('model_type')!r}); convert it first with glaswap convert")
     return meta

@@ -287,6 +287,15 @@ def test_bad_input_unsupported_architecture(tmp_path):
     _one_line_error(_cli(tmp_path / "gpt2", tmp_path / "out"), "unsupported architecture 'gpt2'", "llama")
 
 
+def test_bad_input_a_converted_folder_as_source(tmp_path):
+    """A glaswap folder as SOURCE (its config names a stand-in model_type) is named as such, with
+    the way out, instead of as an unsupported architecture."""
+    src = save_teacher(tiny_teacher("llama"), tmp_path / "src")
+    convert(str(src), tmp_path / "gla", report=False, log=lambda *_: None)
+    _one_line_error(_cli(tmp_path / "gla", tmp_path / "again"), "is a glaswap model already", "its teacher")
+    assert not (tmp_path / "again").exists()
+
+
 def test_bad_input_corrupted_safetensors(tmp_path):
     src = save_teacher(tiny_teacher("llama"), tmp_path / "src")
     (src / "model.safetensors").write_bytes(b"this is not a safetensors file" * 4)

@@ -23,6 +23,15 @@ from glaswap.models.gla_options import BEFORE_OPTION, GLA_OPTIONS, check_gla_opt
 SAVED_MODEL_TYPE = "t5_gemma_module"
 
 
+def written_by_glaswap(config: dict) -> bool:
+    """Whether a config.json dict is a glaswap model's: SAVED_MODEL_TYPE with auto_map naming
+    this config class, or "glaswap" (folders saved before SAVED_MODEL_TYPE)."""
+    auto_map = config.get("auto_map")
+    return config.get("model_type") == "glaswap" or (
+        config.get("model_type") == SAVED_MODEL_TYPE and isinstance(auto_map, dict)
+        and auto_map.get("AutoConfig") == "configuration_glaswap.GLASwapConfig")
+
+
 class GLASwapConfig(PretrainedConfig):
     """The teacher's shape (the arguments below) and the GLA options, which come as keyword
     arguments named in GLA_OPTIONS (each left out takes its default)."""
