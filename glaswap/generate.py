@@ -116,9 +116,13 @@ def time_decode(model, prompt, new_tokens: int, warmup: int = 2) -> dict:
     last = token[:, 0].tolist()
     del cache, token
     _free(device)
-    ms = 1000 * seconds / new_tokens
-    return {"ms_per_step": ms, "tokens_per_s": B * 1000 / ms, "peak_gib": peak, "prefill_s": prefill_s,
-            "prefill_peak_gib": prefill_peak, "last_token": last}
+    return _decode_result(B, seconds / new_tokens, peak, prefill_s, prefill_peak, last)
+
+
+def _decode_result(batch, step_s, peak, prefill_s, prefill_peak, last, **extra) -> dict:
+    ms = 1000 * step_s
+    return {"ms_per_step": ms, "tokens_per_s": batch * 1000 / ms, "peak_gib": peak, "prefill_s": prefill_s,
+            "prefill_peak_gib": prefill_peak, "last_token": last, **extra}
 
 
 @torch.no_grad()
@@ -182,9 +186,7 @@ def time_decode_static(model, prompt, new_tokens: int, warmup: int = 2, graph: b
     last = step_token[:, 0].tolist()
     del cache, replay
     _free(device)
-    ms = 1000 * seconds / new_tokens
-    return {"ms_per_step": ms, "tokens_per_s": B * 1000 / ms, "peak_gib": peak, "prefill_s": prefill_s,
-            "prefill_peak_gib": prefill_peak, "graph": graphed, "last_token": last}
+    return _decode_result(B, seconds / new_tokens, peak, prefill_s, prefill_peak, last, graph=graphed)
 
 
 def bench_decode(student, teacher=None, contexts=DEFAULT_CONTEXTS, batch_size: int = 1, new_tokens: int = 32,
@@ -231,7 +233,7 @@ def bench_decode(student, teacher=None, contexts=DEFAULT_CONTEXTS, batch_size: i
         if teacher is not None:
             row["teacher"] = time_decode(teacher, prompt, new_tokens)
             try:
-                row["teacher_static"] = time_decode_static(teacher, prompt, new_tokens, graph=device.type == "cuda")
+                row["teacher_static"] = time_decode_static(teacher, prompt, new_tokens)
             except Exception as e:  # a model whose cache cannot be static: the dynamic cache stays the baseline
                 row["static_error"] = f"{type(e).__name__}: {e}"
                 log(f"the teacher's static-cache decode failed at context {ctx}: {row['static_error']}")
@@ -282,22 +284,25 @@ def plot_bench(rows, path: Path, title: str):
     ax1.plot(ctx, [r["student"]["tokens_per_s"] for r in rows], "o-", color="C0", label="GLA model")
     if any(r["student_eager"]["tokens_per_s"] != r["student"]["tokens_per_s"] for r in rows):
         ax1.plot(ctx, [r["student_eager"]["tokens_per_s"] for r in rows], "o:", color="C1", label="GLA model (eager)")
+    dynamic_label = "teacher (dynamic KV cache)"
     if rows and "teacher" in rows[0]:
-        ax1.plot(ctx, [r["teacher"]["tokens_per_s"] for r in rows], "s-", color="C2", label="teacher (dynamic KV cache)")
+        ax1.plot(ctx, [r["teacher"]["tokens_per_s"] for r in rows], "s-", color="C2", label=dynamic_label)
     static = [r for r in rows if "teacher_static" in r]
+    static_ctx = [r["context"] for r in static]
     if static:
-        ax1.plot([r["context"] for r in static], [r["teacher_static"]["tokens_per_s"] for r in static], "s--",
-                 color="C3", label="teacher (static KV cache" + (", CUDA graph)" if static[0]["teacher_static"]["graph"] else ")"))
+        graphed = ", CUDA graph" if static[0]["teacher_static"]["graph"] else ""
+        ax1.plot(static_ctx, [r["teacher_static"]["tokens_per_s"] for r in static], "s--", color="C3",
+                 label=f"teacher (static KV cache{graphed})")
     ax1.set_ylabel("decode tokens / s")
     ax1.set_ylim(bottom=0)
     if memory:
         ax2 = axes[0][1]
         ax2.plot(ctx, [r["student"]["peak_gib"] for r in rows], "o-", color="C0", label="GLA model")
         if "teacher" in rows[0]:
-            ax2.plot(ctx, [r["teacher"]["peak_gib"] for r in rows], "s-", color="C2", label="teacher (dynamic KV cache)")
+            ax2.plot(ctx, [r["teacher"]["peak_gib"] for r in rows], "s-", color="C2", label=dynamic_label)
         if static:
-            ax2.plot([r["context"] for r in static], [r["teacher_static"]["peak_gib"] for r in static], "s--",
-                     color="C3", label="teacher (static KV cache)")
+            ax2.plot(static_ctx, [r["teacher_static"]["peak_gib"] for r in static], "s--", color="C3",
+                     label="teacher (static KV cache)")
         ax2.set_ylabel("peak memory while decoding (GiB)")
         ax2.set_ylim(bottom=0)
     for ax in axes[0]:

@@ -116,6 +116,11 @@ class HybridBuffers(TensorGroup):
                                       none(batch, sparse, keys_like.shape[2]))
         return cls(win, SinkBuffer(kv(sinks), kv(sinks), none(batch, sinks)), sparse_buf)
 
+    def clear_(self):
+        """Every slot empty, in place (the fixed buffers of a captured graph)."""
+        for t in self.tensors():
+            t.fill_(_empty_value(t))
+
     def sized(self, window, sinks, sparse) -> HybridBuffers:
         """The same buffers at W, S and M rows (at least as many as they hold), the missing rows
         empty: at the front of the window, after the sinks' and the sparse cache's slots."""
@@ -123,10 +128,14 @@ class HybridBuffers(TensorGroup):
                              None if self.sparse is None else _grown(self.sparse, sparse, False))
 
 
+def _empty_value(t):
+    """What an empty slot holds: position -1, zeros elsewhere."""
+    return -1 if t.dtype == torch.long else 0
+
+
 def _grown(group: TensorGroup, rows, front):
-    """group with empty rows (position -1, zeros) added before (front) or after its own, up to
-    `rows`."""
-    return group.map(lambda t: _pad_rows(t, rows - t.shape[1], front, -1 if t.dtype == torch.long else 0))
+    """group with empty rows added before (front) or after its own, up to `rows`."""
+    return group.map(lambda t: _pad_rows(t, rows - t.shape[1], front, _empty_value(t)))
 
 
 def _pad_rows(t, n, front, fill):
