@@ -79,6 +79,59 @@ def test_reusing_the_lower_layers_changes_no_figure(monkeypatch):
     assert all("forward" not in vars(m) for m in lm.model.layers)
 
 
+def test_copies_repeat_text_from_beyond_the_window():
+    """Planted copies: the same tokens as a source earlier in the same document, every copied
+    token further from its source than the window and its sinks reach; the copy mask covers
+    the positions that predict a copied token, and three quarters of the text stay natural."""
+    class Config:
+        window, sinks = 16, 2
+
+    rng = np.random.default_rng(0)
+    blocks = _blocks([700, 324], 1024)         # two documents in one block
+    ids, _ = blocks.block(0)
+    pos = S._positions(blocks, 0)
+    start = S.counted_from(Config, 1024)
+    new, copy, near = S.plant_copies(ids, pos, start, Config, 8, rng)
+    changed = np.nonzero(new != ids)[0]
+    assert copy.sum() > 0 and len(changed) > 0
+    counted = pos >= start
+    assert (counted & ~near).sum() >= 0.75 * counted.sum()
+    doc = np.cumsum(pos == 0)
+    for q in np.nonzero(copy)[0]:              # q predicts new[q + 1], a copy of an earlier token
+        assert near[q] and counted[q]
+        sources = [p for p in range(q - Config.window - 1) if doc[p] == doc[q] and new[p] == new[q + 1]
+                   and new[p - 1] == new[q] and pos[p] >= Config.sinks]
+        assert sources, q
+    # only the copies changed the text, and nothing outside a copy
+    assert np.isin(changed, np.nonzero(near)[0]).all()
+    # blocks too short for a copy keep their text
+    short = _blocks([64], 64)
+    same, c, _ = S.plant_copies(short.block(0)[0], S._positions(short, 0), 32, Config, 8, rng)
+    assert np.array_equal(same, short.block(0)[0]) and not c.any()
+
+
+def test_greedy_steps_reuse_lower_layers_and_lower_the_kl(monkeypatch):
+    """With keep = 2 the second step tries the other layers on top of the first; the figures
+    equal those of running every layer in every pass, the KL falls step by step, and ranks
+    follow the order chosen."""
+    lm = _planted(layers=4, copier=1, options={"window": 8})
+    blocks = _blocks([256] * 3, 256)
+    fast = S.rank_layers(lm, blocks, 3, 2, torch.device("cpu"), torch.float32, keep=2, span=8)
+    monkeypatch.setattr(S, "_reuse_below", lambda *_args: S.contextlib.nullcontext())
+    full = S.rank_layers(lm, blocks, 3, 2, torch.device("cpu"), torch.float32, keep=2, span=8)
+    assert fast["steps"] == full["steps"] and fast["layers"] == full["layers"]
+    assert fast["copy_tokens"] > 0 and fast["tokens"] > 0
+    steps = fast["steps"]
+    assert steps[0]["layer"] == 1 and len({s["layer"] for s in steps}) == 2
+    assert fast["baseline_kl"] > steps[0]["kl"] >= steps[1]["kl"] - 1e-9
+    ranks = {r["layer"]: r["rank"] for r in fast["layers"]}
+    assert [ranks[s["layer"]] for s in steps] == [1, 2] and sorted(ranks.values()) == [1, 2, 3, 4]
+    assert S.top_layers(fast, 2) == sorted(s["layer"] for s in steps)
+    # a layer's score alone: the shares of the all-GLA KL it removes, natural and copies
+    r = fast["layers"][1]
+    assert r["score"] == pytest.approx(r["drop"] / fast["baseline_kl"] + r["drop_copy"] / fast["baseline_kl_copy"])
+
+
 def test_positions_are_counted_within_documents():
     class Config:
         window, sinks = 4, 2
@@ -109,6 +162,9 @@ def test_the_budget_keeps_the_selection_under_a_fifth_of_the_recipe():
     train = (s1.steps * s1.batch_size + s2.steps * s2.batch_size) * S.TRAIN_PASSES
     cost = S.selection_passes(30) * n
     assert 1 <= n and cost / (cost + train) <= S.SHARE
+    six = S.sequences_for_budget(demo, num_layers=30, keep=6)   # six greedy steps: fewer blocks
+    assert 1 <= six <= n and (S.selection_passes(30, 6) * six / (S.selection_passes(30, 6) * six + train)
+                              <= S.SHARE or six == 1)
     gpu = load_recipe("smollm2-135m")
     assert S.sequences_for_budget(gpu, num_layers=30) == S.MAX_SEQUENCES
     short = load_recipe("smollm2-135m-demo", ["stage1.steps=1", "stage2.steps=0"])
