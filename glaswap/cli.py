@@ -255,7 +255,8 @@ _SPARSE_HELP = ("Keep this many older tokens of each of a hybrid MODEL's layers 
 @click.option("--tasks", "task_list", default=None, metavar="NAMES",
               help="Score lm-eval tasks instead of text: comma-separated, of piqa, hellaswag, winogrande, "
                    "arc_easy, arc_challenge, openbookqa, sciq, mmlu; zeroshot and fewshot name the standard "
-                   "sets (fewshot: ARC-C 25, HellaSwag 10, WinoGrande 5, MMLU 5 shots).")
+                   "sets (fewshot: ARC-C 25, HellaSwag 10, WinoGrande 5, MMLU 5 shots); NAME:K gives one task "
+                   "K shots, e.g. arc_challenge:25,hellaswag:10.")
 @click.option("--num-fewshot", type=int, default=None,
               help="Shots for every task (default: 0, or the fewshot set's).")
 @click.option("--limit", type=int, default=None,

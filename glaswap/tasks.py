@@ -57,17 +57,21 @@ FEW_SHOT = {"arc_challenge": 25, "hellaswag": 10, "winogrande": 5, "mmlu": 5}
 
 def parse_tasks(spec: str, num_fewshot: int | None = None) -> dict[str, int]:
     """'piqa,arc_easy' -> {task: shots}, checked. 'zeroshot' and 'fewshot' name the standard
-    sets; a task takes num_fewshot shots when given, else FEW_SHOT's when it came from the
-    fewshot set, else none."""
+    sets; NAME:K gives one task K shots. Otherwise a task takes num_fewshot shots when given,
+    else FEW_SHOT's when it came from the fewshot set, else none."""
     if num_fewshot is not None and num_fewshot < 0:
         raise GlaswapError(f"--num-fewshot {num_fewshot} must be 0 or more")
     shots = {}
     for item in (n.strip() for n in spec.split(",") if n.strip()):
+        item, _, own = item.partition(":")
+        if own and not (own.isdigit() and item in TASKS):
+            raise GlaswapError(f"--tasks item {item}:{own}: write NAME:K with a task name and a number of shots, "
+                               f"for example arc_challenge:25")
         preset = {"zeroshot": dict.fromkeys(ZERO_SHOT, 0), "fewshot": dict(FEW_SHOT)}.get(item, {item: 0})
         for name, k in preset.items():
             if name not in TASKS:
                 raise GlaswapError(f"unknown task {name!r}; choose from {', '.join(TASKS)} (or zeroshot, fewshot)")
-            shots.setdefault(name, k if num_fewshot is None else num_fewshot)
+            shots.setdefault(name, int(own) if own else k if num_fewshot is None else num_fewshot)
     if not shots:
         raise GlaswapError("--tasks names no task; for example --tasks piqa,arc_easy")
     return shots

@@ -74,6 +74,11 @@ def test_task_names_and_shots():
     assert tasks.parse_tasks("piqa, arc_easy") == {"piqa": 0, "arc_easy": 0}
     assert tasks.parse_tasks("fewshot") == tasks.FEW_SHOT
     assert tasks.parse_tasks("zeroshot,mmlu", num_fewshot=5) == {**dict.fromkeys(tasks.ZERO_SHOT, 5), "mmlu": 5}
+    assert tasks.parse_tasks("arc_challenge:25,hellaswag:10, piqa", num_fewshot=1) == {
+        "arc_challenge": 25, "hellaswag": 10, "piqa": 1}
+    for bad in ("arc_challenge:x", "fewshot:5", "piqa:-1"):
+        with pytest.raises(GlaswapError, match="write NAME:K"):
+            tasks.parse_tasks(bad)
     with pytest.raises(GlaswapError, match="unknown task 'pica'; choose from piqa, hellaswag"):
         tasks.parse_tasks("pica")
     with pytest.raises(GlaswapError, match="must be 0 or more"):
