@@ -60,9 +60,9 @@ def kv_length(cache) -> int:
 
 
 def kv_capacity(needed: int) -> int:
-    """Static KV slots for a graph that must hold `needed` tokens: room for a quarter more (at
+    """Static KV slots for a graph that must hold `needed` tokens: room for an eighth more (at
     least KV_STEP) before it is captured again."""
-    return -(-(needed + max(KV_STEP, needed // 4)) // KV_STEP) * KV_STEP
+    return -(-(needed + max(KV_STEP, needed // 8)) // KV_STEP) * KV_STEP
 
 
 def _shares(a: KVBuffer | None, b: KVBuffer | None) -> bool:
@@ -73,9 +73,11 @@ class _StaticStep:
     """One forward of `tokens` new tokens (1: a decode step; SPARSE_BLOCK: a block of a prompt)
     for a fixed batch size, reading and writing only static buffers. `out`: the logits of a
     decode step, the last hidden states of a block (the caller keeps the rows it needs).
-    Softmax layers get static KV buffers of `capacity` slots."""
+    Softmax layers get static KV buffers of `capacity` slots. Those of `kv_from` (the cache
+    about to be adopted) become the static buffers: taken as they are where they have room,
+    else moved one layer at a time into new ones, so a cache's KV is never held twice."""
 
-    def __init__(self, model, batch_size, backend, tokens=1, capacity=0):
+    def __init__(self, model, batch_size, backend, tokens=1, capacity=0, kv_from=None):
         cfg = model.config
         dev = model.lm_head.weight.device
         v_dim = cfg.head_dim + (1 if cfg.normalizer else 0)        # the normaliser's column of ones
@@ -88,11 +90,15 @@ class _StaticStep:
                                    dtype=torch.float32, device=dev) if g else None for g in gla]
         # Hybrid layers: their window, sink and sparse buffers are static too, at their full sizes.
         self.windows = [self._empty_window(cfg, batch_size, dev) if cfg.window and g else None for g in gla]
-        self.capacity = capacity
         like = torch.zeros(1, dtype=self._dtype(), device=dev)
         self.kv = [None if g else KVBuffer.empty(batch_size, cfg.num_key_value_heads, cfg.head_dim, like, capacity)
-                   for g in gla]
-        self.write_at = torch.zeros(1, dtype=torch.long, device=dev)   # the slot of the first new token
+                   if kv_from is None else self._take(kv_from, i, batch_size, cfg.num_key_value_heads, cfg.head_dim,
+                                                kv_length(kv_from) + tokens, capacity, like)
+                   for i, g in enumerate(gla)]
+        self.capacity = min((b.capacity for b in self.kv if b is not None), default=capacity)
+        # the slot of the first new token; capturing writes there, past the tokens taken over
+        self.write_at = torch.full((1,), kv_length(kv_from) if kv_from is not None else 0, dtype=torch.long,
+                                   device=dev)
         self.cache = GLASwapCache(cfg.num_hidden_layers)
         self.cache.kv_write_at = self.write_at
         self.out = None
@@ -101,6 +107,28 @@ class _StaticStep:
 
     def _dtype(self):
         return self.model.model.layers[0].self_attn.q_proj.weight.dtype
+
+    def release(self):
+        """Drop the graph and every reference to the buffers (a cache aliasing them keeps its own)."""
+        self.graph = self.cache = self.out = None
+        self.states, self.windows, self.kv = [], [], []
+
+    @staticmethod
+    def _take(cache, i, batch_size, heads, dim, needed, capacity, like):
+        """Softmax layer i's static KV buffer, from `cache`'s: its own tensors when they have
+        the `needed` slots for this batch size, else new ones of `capacity` slots holding
+        its tokens, which `cache` then points at, so its old tensors are freed before the next
+        layer's are made."""
+        src = cache.kv_buffer(i)
+        if src is not None and src.keys.shape[0] == batch_size and src.capacity >= needed:
+            return dataclasses.replace(src, length=0, padded=False)
+        buf = KVBuffer.empty(batch_size, heads, dim, like, capacity)
+        if src is not None and src.keys.shape[0] == batch_size and src.length:
+            n = src.length
+            for mine, theirs in zip(buf.tensors(), src.tensors()):
+                mine[:, :, :n].copy_(theirs[:, :, :n]) if mine.dim() == 4 else mine[:, :n].copy_(theirs[:, :n])
+            cache.set_kv_buffer(i, dataclasses.replace(buf, length=n, padded=src.padded))
+        return buf
 
     def _empty_window(self, cfg, batch_size, dev):
         dtype = self._dtype()
@@ -261,10 +289,11 @@ class DecodeGraph:
                 and self._servable(input_ids, inputs_embeds, cache) and input_ids.shape[1] >= SPARSE_BLOCK
                 and (attention_mask is None or bool(attention_mask.all())))     # the one host sync, last
 
-    def _static(self, table, batch_size, tokens, kv_needed=0):
+    def _static(self, table, batch_size, tokens, kv_needed=0, cache=None):
         """The static step of `table` for this batch size, captured on first use, and again with
-        more KV slots when its softmax layers must hold more than `kv_needed` tokens; None when it
-        cannot be captured (then the failure is recorded and the caller runs eagerly)."""
+        more KV slots when its softmax layers must hold more than `kv_needed` tokens, its KV
+        buffers taken over from `cache`'s; None when it cannot be captured (then the failure is
+        recorded and the caller runs eagerly)."""
         fingerprint = self._fingerprint()
         if fingerprint != self.fingerprint:
             self.steps.clear()
@@ -274,11 +303,13 @@ class DecodeGraph:
         static = table.get(batch_size)
         if static is not None and mixed and static.capacity < kv_needed:
             del table[batch_size]           # the caches aliasing it keep its buffers until adopted anew
+            static.release()
             static = None
         if static is None:
             try:
                 capacity = kv_capacity(kv_needed) if mixed else 0
-                static = table[batch_size] = _StaticStep(self.model, batch_size, self.backend, tokens, capacity)
+                static = table[batch_size] = _StaticStep(self.model, batch_size, self.backend, tokens, capacity,
+                                                         kv_from=cache if mixed else None)
             except Exception as e:
                 if self.strict:
                     raise
@@ -297,7 +328,7 @@ class DecodeGraph:
         untouched) when the graph cannot be captured, so the caller runs the step eagerly."""
         with torch.inference_mode(False), torch.no_grad():   # static buffers must be normal tensors
             length = kv_length(cache)
-            static = self._static(self.steps, input_ids.shape[0], 1, length + 1)
+            static = self._static(self.steps, input_ids.shape[0], 1, length + 1, cache)
             if static is None:
                 return None
             static.adopt(cache)
@@ -319,7 +350,7 @@ class DecodeGraph:
             B, T = input_ids.shape
             length = kv_length(cache)
             full = T - T % SPARSE_BLOCK
-            static = self._static(self.blocks, B, SPARSE_BLOCK, length + full)
+            static = self._static(self.blocks, B, SPARSE_BLOCK, length + full, cache)
             if static is None:
                 return None
             if position_ids is None:

@@ -308,6 +308,7 @@ def test_decode_memory_grows_only_in_the_softmax_layers():
 def test_graph_decode_of_a_mixed_model_matches_eager(variant, monkeypatch):
     """The graph path's static buffers, run eagerly ("replay"), captured again as the KV grows."""
     monkeypatch.setattr(decode_graph, "KV_STEP", 4)
+    monkeypatch.setattr(softmax_attention, "KV_STEP", 4)    # eager buffers as small, so they run full
     model = _student(variant)
     ids, mask = _left_padded([[7, 33, 91, 12, 5, 60, 61], [44, 18, 70]])
     kw = dict(max_new_tokens=14, do_sample=False, pad_token_id=0, eos_token_id=None, output_logits=True,
@@ -329,6 +330,37 @@ def test_graph_decode_of_a_mixed_model_matches_eager(variant, monkeypatch):
         torch.testing.assert_close(a, b, rtol=0, atol=1e-5)
     check = check_decode_graph(model, _ids(2, 9), backend="replay")
     assert check["same_argmax"] and check["max_abs_diff"] < 1e-5
+    disable_decode_graph(model)
+
+
+def test_graph_decode_takes_over_the_eager_kv_without_a_second_copy(monkeypatch):
+    """The first graph step uses the eager cache's KV tensors where they have room, and where
+    they have none moves them into larger static buffers, after which the cache holds only
+    those: no softmax layer's keys are ever held twice."""
+    import weakref
+
+    monkeypatch.setattr(softmax_attention, "KV_STEP", 4)
+    monkeypatch.setattr(decode_graph, "KV_STEP", 4)
+    model = _student("llama")
+    layer = model.config.softmax_layers[0]
+    with torch.no_grad():
+        out = model(_ids(1, 9), use_cache=True)              # the prompt, eagerly
+        cache = out.past_key_values
+        runner = enable_decode_graph(model, backend="replay", strict=True)
+        roomy = cache.kv_buffer(layer)
+        assert roomy.capacity > roomy.length                 # 12 slots for 9 tokens
+        keys = roomy.keys
+        nxt = out.logits[:, -1:].argmax(-1)
+        model(nxt, past_key_values=cache, use_cache=True)
+        static = runner.steps[1]
+        assert static.kv[layer].keys is keys and cache.kv_buffer(layer).keys is keys   # taken as it was
+        old = weakref.ref(keys)
+        del keys, roomy, static
+        for _ in range(8):                                   # past its 12 slots: moved into new ones
+            nxt = model(nxt, past_key_values=cache, use_cache=True).logits.argmax(-1)
+        static = runner.steps[1]
+        assert static.capacity >= 18 and cache.kv_buffer(layer).keys is static.kv[layer].keys
+        assert old() is None and cache.kv_buffer(layer).length == 18
     disable_decode_graph(model)
 
 
