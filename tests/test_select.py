@@ -1,4 +1,4 @@
-"""softmax_layers auto:N: ranking the layers by the KL each removes as softmax attention, the
+"""softmax_layers auto:N: choosing the layers by the KL they remove as softmax attention, the
 recipe's checks, and a tiny run that chooses, records and resumes its choice."""
 
 from __future__ import annotations

@@ -38,7 +38,7 @@ class DataSource:
 class ModelSpec:
     source: str = "smollm2-135m"   # anything `glaswap convert` accepts
     # GLA options (gate, feature_map, normalizer, ...); softmax_layers also takes auto:N, N layers
-    # chosen after stage 1 by the KL each removes (distill/select.py)
+    # chosen greedily after stage 1 by the KL they remove beyond the window (distill/select.py)
     options: dict = field(default_factory=dict)
     seed: int = 0
 
