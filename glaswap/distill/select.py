@@ -52,7 +52,7 @@ METHOD = ("greedy: each step restores the layer whose softmax attention removes 
           "KL(teacher || student) past the window and at copied spans (after arXiv 2512.20569)")
 MIN_POSITION = 256     # the first position counted, unless window + sinks lies further in
 MAX_SEQUENCES = 8      # blocks scored at most, whatever the budget allows
-COPY_SPAN = 32         # tokens of each planted copy (at most an eighth of a block)
+COPY_SPAN = 32         # tokens of each planted copy (shorter in blocks under 512 tokens)
 COPIES = 4             # copies planted in each block, where its documents have room
 NEAR = 8               # tokens after a copy that the natural KL leaves out (the text jumps back)
 SHARE = 0.2            # the most of the recipe's time the selection is allowed
@@ -222,7 +222,7 @@ def rank_layers(lm, blocks, n_sequences: int, batch_size: int, device, dtype, di
                 chunk_tokens: int = 4096, keep: int = 1, span: int | None = None, seed: int = 0) -> dict:
     """Choose `keep` layers of `lm` (a GLASwapForCausalLM, every layer GLA) to restore to softmax
     attention, greedily, on `blocks` (PackedBlocks) with copies planted (plant_copies; `span`
-    tokens each, default COPY_SPAN or an eighth of a block). Each step tries every layer not yet
+    tokens each, default COPY_SPAN or a sixteenth of a block). Each step tries every layer not yet
     chosen on top of those chosen and keeps the one whose score is highest: the share of the
     all-GLA student's KL(teacher || student) it removes at natural positions past the window,
     plus the share it removes at the copies. Returns the layers' rows (their KL and score when
@@ -232,7 +232,7 @@ def rank_layers(lm, blocks, n_sequences: int, batch_size: int, device, dtype, di
     layers = len(lm.model.layers)
     keep = max(1, min(keep, layers))
     start = counted_from(lm.config, blocks.seq_len)
-    span = span or min(COPY_SPAN, blocks.seq_len // 8)
+    span = span or min(COPY_SPAN, max(8, blocks.seq_len // 16))
     chosen_blocks = pick_blocks(blocks, n_sequences, start)
     rank, world = (dist.rank, dist.world) if dist is not None else (0, 1)
     mine = chosen_blocks[rank::world]
