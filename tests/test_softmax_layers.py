@@ -80,9 +80,24 @@ def test_parse_softmax_layers_and_auto():
             parse_auto(bad)
     for bad, needle in [("1,1", "layer 1 is listed twice"), ("-1", "negative"), ("3,16", "layer 16 is out of range"),
                         ("1.5", "whole-number"), ([True], "whole-number"), ("a,b", "whole-number"),
-                        ("auto:4", "in a recipe"), ("auto:0", "N >= 1")]:
+                        ("auto:4", "in a recipe"), ("auto:0", "N >= 1"), ("even:0", "even:N with a whole number"),
+                        ("last", "last:N with a whole number"), ("even:17", "more layers than the model's 16")]:
         with pytest.raises(ValueError, match=needle):
             parse_softmax_layers(bad, 16)
+
+
+def test_placements_by_rule():
+    """even:N spreads N layers over the depth (the middle of each of N equal stretches), last:N
+    takes the last N; every count from 1 to the depth gives N distinct layers in range."""
+    assert parse_softmax_layers("even:6", 30) == [2, 7, 12, 17, 22, 27]
+    assert parse_softmax_layers("last:6", 30) == [24, 25, 26, 27, 28, 29]
+    assert parse_softmax_layers("EVEN:1", 30) == [15] and parse_softmax_layers("even:4", 16) == [2, 6, 10, 14]
+    for layers in (1, 2, 7, 30):
+        for n in range(1, layers + 1):
+            for rule in ("even", "last"):
+                got = parse_softmax_layers(f"{rule}:{n}", layers)
+                assert len(set(got)) == n and got == sorted(got) and 0 <= got[0] and got[-1] < layers
+    assert parse_auto("even:6") is None
 
 
 def test_config_records_sorted_layers_and_checks_the_range():
@@ -109,6 +124,7 @@ def teacher_folder(tmp_path_factory):
     ("1,x", "whole-number layer indices"),
     ("auto:0", "auto:N needs N >= 1"),
     ("auto:2", "set model.options.softmax_layers: auto:2 in a recipe (distill picks them after attention transfer)"),
+    ("even:5", "even:5 asks for more layers than the model's 4"),
 ])
 def test_bad_softmax_layers_on_convert_get_one_line(teacher_folder, tmp_path, value, needle):
     r = CliRunner().invoke(main, ["convert", str(teacher_folder), str(tmp_path / "out"), "--no-report",
@@ -131,6 +147,21 @@ def mixed_folder(tmp_path_factory, teacher_folder):
     randomise_new_parameters(model)
     model.save_pretrained(str(out))
     return out
+
+
+def test_a_rule_is_resolved_once_the_layers_are_known(teacher_folder, tmp_path):
+    """convert --softmax-layers last:2 and even:2 record the layers themselves; a recipe takes
+    the rule as it is (distill converts with it)."""
+    from glaswap.distill import load_recipe
+
+    for rule, layers in (("last:2", [2, 3]), ("even:2", [1, 3])):
+        out = tmp_path / rule.replace(":", "")
+        r = CliRunner().invoke(main, ["convert", str(teacher_folder), str(out), "--no-report",
+                                      "--softmax-layers", rule])
+        assert r.exit_code == 0, r.output
+        assert read_json(out / "config.json")["softmax_layers"] == layers
+    recipe = load_recipe("smollm2-135m-demo", ["model.options.softmax_layers=even:6"])
+    assert recipe.model.options["softmax_layers"] == "even:6"
 
 
 def test_convert_writes_the_teachers_tensors_alone_for_softmax_layers(mixed_folder, teacher_folder):

@@ -95,8 +95,9 @@ GLA_OPTIONS = {o.name: o for o in (
            "attended exactly; eval, passkey and generate take --sparse-cache to change it. 0: none.",
            check=_whole(0), flag="--sparse-cache"),
     Option("softmax_layers", list, [], "Decoder layers (from 0) that keep the teacher's own attention: exact softmax "
-           "over the whole context with a KV cache, no new parameters, no attention transfer; e.g. 3,9,15. Recipes "
-           "also take auto:N, N layers that distill chooses by measurement after attention transfer.",
+           "over the whole context with a KV cache, no new parameters, no attention transfer; e.g. 3,9,15, or by rule: "
+           "even:N (N spread evenly over the depth), last:N (the last N). Recipes also take auto:N, N layers that "
+           "distill chooses by measurement after attention transfer.",
            check=lambda v: _layers_problem(v), flag="--softmax-layers"),
     # RoPE distances past the teacher's positions break its attention (as they break the teacher).
     Option("softmax_max_distance", int, 0, "Softmax layers score a key this many or more tokens back as if it stood "
@@ -131,6 +132,30 @@ def _auto_count(value):
     return int(m[1])
 
 
+RULES = ("even", "last")   # softmax_layers placed by rule, resolved once the layer count is known
+
+
+def _rule(value):
+    """(rule, N) of an "even:N" or "last:N" string (a problem string when N is malformed or 0),
+    else None."""
+    if not isinstance(value, str):
+        return None
+    m = re.fullmatch(r"(even|last)(?::(.*))?", value.strip().lower())
+    if not m:
+        return None
+    if m[2] is None or not re.fullmatch(r"\d+", m[2].strip()) or int(m[2]) < 1:
+        return f"expected {m[1]}:N with a whole number N >= 1, the number of layers kept as softmax attention"
+    return m[1], int(m[2])
+
+
+def rule_layers(rule: str, n: int, num_layers: int) -> list[int]:
+    """The layers of a rule: even spreads n over the depth (the middle of each of n equal
+    stretches), last takes the last n."""
+    if rule == "last":
+        return list(range(num_layers - n, num_layers))
+    return [int(math.floor((i + 0.5) * num_layers / n)) for i in range(n)]
+
+
 def _layer_list(value):
     """The layer indices of an explicit list (a list of ints, or text like "3,9,15" or
     "[3, 9, 15]"), in the order given; a problem string when it is not one."""
@@ -155,6 +180,13 @@ def _layers_problem(value, num_layers=None) -> str | None:
     auto = _auto_count(value)
     if auto is not None:
         return auto if isinstance(auto, str) else None
+    rule = _rule(value)
+    if rule is not None:
+        if isinstance(rule, str):
+            return rule
+        if num_layers is not None and rule[1] > num_layers:
+            return f"{rule[0]}:{rule[1]} asks for more layers than the model's {num_layers}"
+        return None
     layers = _layer_list(value)
     if isinstance(layers, str):
         return layers
@@ -182,8 +214,8 @@ def parse_auto(value) -> int | None:
 
 
 def parse_softmax_layers(value, num_layers: int) -> list[int]:
-    """An explicit softmax_layers value (a list, or text like "3,9,15") as the sorted layer
-    indices of a model of num_layers layers. A ValueError, one line naming the problem and
+    """An explicit softmax_layers value (a list, text like "3,9,15", or a rule, even:N or
+    last:N) as the sorted layer indices of a model of num_layers layers. A ValueError, one line naming the problem and
     the fix, for anything else: auto:N (which only distill resolves), repeated, negative,
     out-of-range or non-integer indices."""
     auto = parse_auto(value)
@@ -193,6 +225,9 @@ def parse_softmax_layers(value, num_layers: int) -> list[int]:
     problem = _layers_problem(value, num_layers)
     if problem:
         raise ValueError(f"invalid softmax_layers {value!r}; {problem}")
+    rule = _rule(value)
+    if rule is not None:
+        return rule_layers(*rule, num_layers)
     return sorted(_layer_list(value))
 
 
