@@ -98,8 +98,9 @@ def time_decode(model, prompt, new_tokens: int, warmup: int = 2) -> dict:
     Works for a glaswap model (recurrent state) and any Hugging Face causal LM (its usual
     KV cache). Peak memory is measured over the decode steps only (weights, the cache, the
     step's temporaries); the prefill's own peak is reported apart, its time that of a second
-    read of the prompt (the first, untimed, compiles the kernels for its length). `last_token`: each row's
-    last greedy token, which any two ways of decoding the same model must agree on.
+    read of the prompt (the first, untimed, compiles the kernels for its length).
+    `last_token`: each row's last greedy token, which any two ways of decoding the same model
+    must agree on.
     """
     device = prompt.device
     _warm_prefill(model, prompt)

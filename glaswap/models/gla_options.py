@@ -140,7 +140,7 @@ def _rule(value):
     else None."""
     if not isinstance(value, str):
         return None
-    m = re.fullmatch(r"(even|last)(?::(.*))?", value.strip().lower())
+    m = re.fullmatch(rf"({'|'.join(RULES)})(?::(.*))?", value.strip().lower())
     if not m:
         return None
     if m[2] is None or not re.fullmatch(r"\d+", m[2].strip()) or int(m[2]) < 1:
@@ -215,9 +215,9 @@ def parse_auto(value) -> int | None:
 
 def parse_softmax_layers(value, num_layers: int) -> list[int]:
     """An explicit softmax_layers value (a list, text like "3,9,15", or a rule, even:N or
-    last:N) as the sorted layer indices of a model of num_layers layers. A ValueError, one line naming the problem and
-    the fix, for anything else: auto:N (which only distill resolves), repeated, negative,
-    out-of-range or non-integer indices."""
+    last:N) as the sorted layer indices of a model of num_layers layers. A ValueError, one
+    line naming the problem and the fix, for anything else: auto:N (which only distill
+    resolves), repeated, negative, out-of-range or non-integer indices."""
     auto = parse_auto(value)
     if auto is not None:
         raise ValueError(f"softmax_layers {value!r} is chosen by measurement, which convert and a model config "
