@@ -236,6 +236,28 @@ def test_auto_chooses_records_and_resumes(tmp_path, monkeypatch):
     assert sum(r.get("event") == "softmax_selection" for r in records) == 1
 
 
+def test_ranking_on_blocks_longer_than_training(tmp_path):
+    """stage1.select_seq_len ranks on evaluation blocks of that length (the budget counts them
+    as that many times a training block); the default, 0, leaves the recipe's hash as it was."""
+    from glaswap.distill.recipe import training_hash
+
+    path, over = _auto_recipe(tmp_path)
+    plain = load_recipe(path, over)
+    longer = load_recipe(path, [*over, "stage1.select_seq_len=64"])
+    assert S.selection_seq_len(plain) == 32 and S.selection_seq_len(longer) == 64
+    assert S.sequences_for_budget(longer, 2) <= S.sequences_for_budget(plain, 2)
+    assert training_hash(plain) == training_hash(load_recipe(path, [*over, "stage1.select_seq_len=0"]))
+    assert training_hash(plain) != training_hash(longer)
+    distill(longer, out=tmp_path / "out", log=_quiet)
+    ranking = json.loads((tmp_path / "out" / "ranking.json").read_text())
+    assert ranking["seq_len"] == 64 and ranking["data"] == "evaluation" and ranking["tokens"] > 0
+    with pytest.raises(GlaswapError, match="stage1.select_seq_len"):
+        load_recipe(path, [*over, "stage1.select_seq_len=8"])
+    too_long = load_recipe(path, [*over, "stage1.select_seq_len=100000"])
+    with pytest.raises(GlaswapError, match="stage1.select_seq_len=100000 is longer than the evaluation text"):
+        distill(too_long, out=tmp_path / "out2", log=_quiet)
+
+
 def _cli_error(args, after_conversion=False):
     """The one error line of a refused `glaswap distill`; `after_conversion`: once the layer
     count is known, after convert's progress lines."""

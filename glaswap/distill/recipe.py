@@ -72,6 +72,10 @@ class Stage1:
     grad_accum: int = 1
     warmup_steps: int = 5
     weight_decay: float = 0.0
+    # softmax_layers auto:N: the length of the evaluation blocks the layers are ranked on after
+    # this stage (0: data.seq_len). Longer blocks show which layers must carry what lies further
+    # back than the training length.
+    select_seq_len: int = 0
 
 
 @dataclass
@@ -267,6 +271,8 @@ def _check_values(r: Recipe):
         need(st.batch_size >= 1, f"{name}.batch_size", "must be >= 1")
         need(st.grad_accum >= 1, f"{name}.grad_accum", "must be >= 1")
         need(st.warmup_steps >= 0, f"{name}.warmup_steps", "must be >= 0")
+    need(r.stage1.select_seq_len == 0 or r.stage1.select_seq_len >= 16, "stage1.select_seq_len",
+         "must be 0 (data.seq_len) or at least 16")
     need(r.stage2.lora_rank >= 1, "stage2.lora_rank", "must be >= 1")
     need(0 <= r.stage2.lora_dropout < 1, "stage2.lora_dropout", "must be in [0, 1)")
     need(r.stage2.ce_weight >= 0, "stage2.ce_weight", "must be >= 0")
@@ -446,6 +452,8 @@ def training_hash(recipe: Recipe, world: int = 1) -> str:
     for section, keys in _NOT_TRAINING.items():
         for key in keys:
             settings[section].pop(key)
+    if not settings["stage1"]["select_seq_len"]:        # the default: the hash of recipes before the key
+        settings["stage1"].pop("select_seq_len")
     return hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:24]
 
 

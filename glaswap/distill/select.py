@@ -17,8 +17,8 @@ each as the share of the all-GLA student's KL that a step removes:
   GLA state barely can, so the KL there falls only with a layer that retrieves from far back,
   the rare dependence that natural text shows too seldom to rank by.
 
-The text is the recipe's evaluation data (held out from training), in blocks of data.seq_len;
-the blocks with the most counted positions are used. The teacher (softmax in every layer,
+The text is the recipe's evaluation data (held out from training), in blocks of data.seq_len
+or stage1.select_seq_len; the blocks with the most counted positions are used. The teacher (softmax in every layer,
 adapters off) runs once; its final hidden states are kept and the logits of both models are
 made a chunk at a time. Layers below a candidate are in the same mode as in that step's pass
 without it, so they hand back that pass's outputs instead of running again: a candidate costs
@@ -43,7 +43,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from glaswap.distill.data import PackedBlocks
 from glaswap.distill.losses import kl_sum
+from glaswap.errors import GlaswapError
 from glaswap.distill.student import adapters_off
 
 RANKING_JSON = "ranking.json"
@@ -75,13 +77,19 @@ def selection_passes(num_layers: int, keep: int = 1) -> float:
     return 1 + keep * (1 + (num_layers + 1) / 2)
 
 
+def selection_seq_len(recipe) -> int:
+    """The length of the blocks the layers are ranked on: stage1.select_seq_len, else data.seq_len."""
+    return recipe.stage1.select_seq_len or recipe.data.seq_len
+
+
 def sequences_for_budget(recipe, num_layers: int, world: int = 1, keep: int = 1) -> int:
-    """How many blocks of data.seq_len the selection scores: as many as keep its forward
+    """How many blocks of selection_seq_len the selection scores: as many as keep its forward
     passes within SHARE of the recipe's time, between 1 and MAX_SEQUENCES. Training's blocks
     are counted over all processes, the selection's are shared among them."""
     s1, s2 = recipe.stage1, recipe.stage2
     train_blocks = (s1.steps * s1.batch_size * s1.grad_accum + s2.steps * s2.batch_size * s2.grad_accum) * world
-    allowed = SHARE / (1 - SHARE) * TRAIN_PASSES * train_blocks / selection_passes(num_layers, keep)
+    longer = selection_seq_len(recipe) / recipe.data.seq_len
+    allowed = SHARE / (1 - SHARE) * TRAIN_PASSES * train_blocks / (selection_passes(num_layers, keep) * longer)
     return int(min(MAX_SEQUENCES, max(1, math.floor(allowed))))
 
 
@@ -382,12 +390,20 @@ def choose_softmax_layers(run, lm, data, n: int, recorded: dict | None, started:
         log(f"softmax layers {recorded['chosen']}: as {RANKING_JSON} in {run.folder} records")
         return recorded
     recipe = run.recipe
-    blocks = data.eval_blocks if data.eval_blocks is not None and len(data.eval_blocks) else data.blocks
+    evaluation = data.eval_blocks is not None and len(data.eval_blocks) > 0
+    blocks = data.eval_blocks if evaluation else data.blocks
+    length = selection_seq_len(recipe)
+    if length != blocks.seq_len:
+        blocks = PackedBlocks(data.eval if evaluation else data.train, length)
+        if len(blocks) == 0:
+            raise GlaswapError(f"stage1.select_seq_len={length} is longer than the "
+                               f"{'evaluation' if evaluation else 'training'} text ({blocks.ids.size} tokens); "
+                               f"lower it, or 0 for data.seq_len")
     seqs = sequences_for_budget(recipe, len(lm.model.layers), run.dist.world, keep=n)
     bs = max(recipe.stage1.batch_size, recipe.stage2.batch_size)
     ranking = rank_layers(lm, blocks, seqs, bs, run.device, run.dtype, run.dist, recipe.stage2.loss_chunk_tokens,
                           keep=n, seed=recipe.train.seed)
-    ranking["data"] = "evaluation" if blocks is data.eval_blocks else "training"
+    ranking["data"] = "evaluation" if evaluation else "training"
     ranking["n"] = n
     ranking["chosen"] = top_layers(ranking, n)
     ranking["share_of_run_so_far"] = ranking["seconds"] / max(time.time() - started, 1e-9)
