@@ -256,6 +256,7 @@ def test_ranking_on_blocks_longer_than_training(tmp_path):
     too_long = load_recipe(path, [*over, "stage1.select_seq_len=100000"])
     with pytest.raises(GlaswapError, match="stage1.select_seq_len=100000 is longer than the evaluation text"):
         distill(too_long, out=tmp_path / "out2", log=_quiet)
+    assert not (tmp_path / "out2").exists() and not (tmp_path / "out2.run").exists()   # refused before training
 
 
 def _cli_error(args, after_conversion=False):

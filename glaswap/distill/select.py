@@ -17,12 +17,12 @@ each as the share of the all-GLA student's KL that a step removes:
   GLA state barely can, so the KL there falls only with a layer that retrieves from far back,
   the rare dependence that natural text shows too seldom to rank by.
 
-The text is the recipe's evaluation data (held out from training), in blocks of data.seq_len
-or stage1.select_seq_len; the blocks with the most counted positions are used. The teacher (softmax in every layer,
-adapters off) runs once; its final hidden states are kept and the logits of both models are
-made a chunk at a time. Layers below a candidate are in the same mode as in that step's pass
-without it, so they hand back that pass's outputs instead of running again: a candidate costs
-about half the layers.
+The text is the recipe's evaluation data (held out from training), in blocks of
+data.seq_len or stage1.select_seq_len; the blocks with the most counted positions are used.
+The teacher (softmax in every layer, adapters off) runs once; its final hidden states are
+kept and the logits of both models are made a chunk at a time. Layers below a candidate are
+in the same mode as in that step's pass without it, so they hand back that pass's outputs
+instead of running again: a candidate costs about half the layers.
 
 The run folder gets ranking.json (the record a resumed run reuses, written last and
 atomically) and ranking.png (each layer's score alone, the kept ones highlighted, and the
@@ -45,8 +45,8 @@ import torch
 
 from glaswap.distill.data import PackedBlocks
 from glaswap.distill.losses import kl_sum
-from glaswap.errors import GlaswapError
 from glaswap.distill.student import adapters_off
+from glaswap.errors import GlaswapError
 
 RANKING_JSON = "ranking.json"
 RANKING_PNG = "ranking.png"
@@ -380,30 +380,38 @@ def plot_ranking(ranking: dict, path: Path):
 
 
 # ----------------------------------------------------------------------------- in a run
-def choose_softmax_layers(run, lm, data, n: int, recorded: dict | None, started: float, log) -> dict:
+def selection_blocks(recipe, data) -> tuple[PackedBlocks, str]:
+    """The blocks auto:N ranks the layers on and what text they hold: the evaluation set's
+    (the training text's when there is none), in blocks of selection_seq_len. A GlaswapError,
+    one line, when that text is shorter than one such block: checked before any training."""
+    evaluation = data.eval_blocks is not None and len(data.eval_blocks) > 0
+    blocks, kind = (data.eval_blocks, "evaluation") if evaluation else (data.blocks, "training")
+    length = selection_seq_len(recipe)
+    if length != blocks.seq_len:
+        tokens = data.eval if evaluation else data.train
+        blocks = PackedBlocks(tokens, length)
+        if len(blocks) == 0:
+            raise GlaswapError(f"stage1.select_seq_len={length} is longer than the {kind} text "
+                               f"({tokens.n_tokens:,} tokens); lower it, or 0 for data.seq_len")
+    return blocks, kind
+
+
+def choose_softmax_layers(run, lm, ranked_on: tuple[PackedBlocks, str], n: int, recorded: dict | None,
+                          started: float, log) -> dict:
     """The ranking of a run (loop.RunState) after stage 1, with its choice of n layers under
     "chosen": `recorded` (the run folder's ranking.json, read as a resumed run started) as it
-    is, else measured now on the evaluation blocks (the training blocks when there are none)
-    and written into the run folder. `started`: time.time() when the run began, for the
-    share of its time the selection took."""
+    is, else measured now on `ranked_on` (selection_blocks) and written into the run folder.
+    `started`: time.time() when the run began, for the share of its time the selection took."""
     if recorded is not None:
         log(f"softmax layers {recorded['chosen']}: as {RANKING_JSON} in {run.folder} records")
         return recorded
     recipe = run.recipe
-    evaluation = data.eval_blocks is not None and len(data.eval_blocks) > 0
-    blocks = data.eval_blocks if evaluation else data.blocks
-    length = selection_seq_len(recipe)
-    if length != blocks.seq_len:
-        blocks = PackedBlocks(data.eval if evaluation else data.train, length)
-        if len(blocks) == 0:
-            raise GlaswapError(f"stage1.select_seq_len={length} is longer than the "
-                               f"{'evaluation' if evaluation else 'training'} text ({blocks.ids.size} tokens); "
-                               f"lower it, or 0 for data.seq_len")
+    blocks, kind = ranked_on
     seqs = sequences_for_budget(recipe, len(lm.model.layers), run.dist.world, keep=n)
     bs = max(recipe.stage1.batch_size, recipe.stage2.batch_size)
     ranking = rank_layers(lm, blocks, seqs, bs, run.device, run.dtype, run.dist, recipe.stage2.loss_chunk_tokens,
                           keep=n, seed=recipe.train.seed)
-    ranking["data"] = "evaluation" if evaluation else "training"
+    ranking["data"] = kind
     ranking["n"] = n
     ranking["chosen"] = top_layers(ranking, n)
     ranking["share_of_run_so_far"] = ranking["seconds"] / max(time.time() - started, 1e-9)

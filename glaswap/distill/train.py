@@ -44,7 +44,7 @@ from glaswap.distill.loop import RunState, StageContext, evaluate_blocks, make_o
 from glaswap.distill.parallel import Dist, setup_distributed
 from glaswap.distill.recipe import (Recipe, auto_softmax_layers, conversion_options, dump_recipe, recipe_file,
                                     training_hash)
-from glaswap.distill.select import RANKING_JSON, RANKING_PNG, choose_softmax_layers, read_ranking
+from glaswap.distill.select import RANKING_JSON, RANKING_PNG, choose_softmax_layers, read_ranking, selection_blocks
 from glaswap.distill.student import (build_student, device_dtype, fuse_layers, keep_softmax_layers,
                                      lora_inputs_in_compute_dtype)
 from glaswap.errors import GlaswapError
@@ -114,6 +114,7 @@ def _distill(recipe: Recipe, out: Path, folder: Path, resume: bool, force: bool,
         torch.manual_seed(recipe.train.seed)
         student = build_student(converted, recipe, dist.storage_dtype(dtype))
         auto = _check_auto(recipe, student.lm.config.num_hidden_layers)
+        ranked_on = selection_blocks(recipe, data) if auto is not None else None
     except (GlaswapError, OSError):
         # Refused before any training (a bad source, empty data, a set shorter than one block,
         # no tokenizer, unknown LoRA targets, a full disk): a run folder this call created holds
@@ -178,7 +179,7 @@ def _distill(recipe: Recipe, out: Path, folder: Path, resume: bool, force: bool,
     selection = None
     if auto is not None:
         measured_now = ranking is None
-        ranking = choose_softmax_layers(run, lm, data, auto, ranking, started, log)
+        ranking = choose_softmax_layers(run, lm, ranked_on, auto, ranking, started, log)
         if list(getattr(lm.config, "softmax_layers", None) or []) != ranking["chosen"]:
             keep_softmax_layers(student, ranking["chosen"])
             run.trainable = student.trainable
