@@ -120,15 +120,12 @@ class _StaticStep:
         its tokens, which `cache` then points at, so its old tensors are freed before the next
         layer's are made."""
         src = cache.kv_buffer(i)
-        if src is not None and src.keys.shape[0] == batch_size and src.capacity >= needed:
-            return dataclasses.replace(src, length=0, padded=False)
-        buf = KVBuffer.empty(batch_size, heads, dim, like, capacity)
-        if src is not None and src.keys.shape[0] == batch_size and src.length:
-            n = src.length
-            for mine, theirs in zip(buf.tensors(), src.tensors()):
-                mine[:, :, :n].copy_(theirs[:, :, :n]) if mine.dim() == 4 else mine[:, :n].copy_(theirs[:, :n])
-            cache.set_kv_buffer(i, dataclasses.replace(buf, length=n, padded=src.padded))
-        return buf
+        if src is None or src.keys.shape[0] != batch_size:
+            return KVBuffer.empty(batch_size, heads, dim, like, capacity)
+        if src.capacity < needed:
+            src = src.resized(capacity)
+            cache.set_kv_buffer(i, src)
+        return dataclasses.replace(src, length=0, padded=False)
 
     def _empty_window(self, cfg, batch_size, dev):
         dtype = self._dtype()
