@@ -11,6 +11,7 @@ import threading
 
 import click
 
+import glaswap
 from glaswap.errors import GlaswapError
 from glaswap.models.gla_options import GLA_OPTIONS
 
@@ -53,7 +54,9 @@ def _end_torchrun_worker(code: int):
 @click.version_option(package_name="glaswap")
 def main():
     """Convert pretrained Llama-family models to Gated Linear Attention, distil and evaluate them."""
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    if "TOKENIZERS_PARALLELISM" not in os.environ:
+        os.environ["TOKENIZERS_PARALLELISM"] = "false"
+        glaswap.tokenizers_parallelism_defaulted = True
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     from transformers.utils import logging as hf_logging
 

@@ -12,6 +12,7 @@ for data with no training split, which split the few-shot examples come from cha
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import math
 import os
@@ -19,6 +20,7 @@ import shutil
 import time
 import tempfile
 import zipfile
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -193,12 +195,127 @@ def _lm_eval_version():
         return "(not installed)"
 
 
-def lm_eval_model(model, tokenizer, batch_size: int, device: str, max_length: int | None = None):
-    """lm-eval's HF wrapper around an already loaded model."""
+def lm_eval_model(model, tokenizer, batch_size: int, device: str, max_length: int | None = None,
+                  encodings: dict | None = None):
+    """lm-eval's HF wrapper around an already loaded model, its tokenizing batched and memoised
+    in `encodings` (pass one dict to the student's and the teacher's wrappers to encode once)."""
+    return _task_lm_class()(pretrained=model, tokenizer=tokenizer, batch_size=batch_size, device=device,
+                            max_length=max_length or getattr(model.config, "max_position_embeddings", None) or 2048,
+                            encodings=encodings)
+
+
+def _task_lm_class():
     from lm_eval.models.huggingface import HFLM
 
-    return HFLM(pretrained=model, tokenizer=tokenizer, batch_size=batch_size, device=device,
-                max_length=max_length or getattr(model.config, "max_position_embeddings", None) or 2048)
+    class TaskLM(HFLM):
+        """HFLM with the same token ids, each distinct string encoded once: a few-shot prompt
+        is the context of every choice of its item, and the teacher reads the student's
+        prompts. Before each batch of requests the strings lm-eval will encode are encoded
+        in one call of the fast tokenizer, which runs them in parallel."""
+
+        def __init__(self, *args, encodings: dict | None = None, **kwargs):
+            super().__init__(*args, **kwargs)
+            self._encodings = {} if encodings is None else encodings
+
+        def tok_encode(self, string, add_special_tokens=None, left_truncate_len=None, **kwargs):
+            if kwargs:
+                return super().tok_encode(string, add_special_tokens, left_truncate_len, **kwargs)
+            key = (string, add_special_tokens)
+            ids = self._encodings.get(key)
+            if ids is None:
+                ids = self._encodings[key] = super().tok_encode(string, add_special_tokens)
+            return list(ids[-left_truncate_len:] if left_truncate_len else ids)
+
+        def loglikelihood(self, requests, disable_tqdm: bool = False):
+            self._encode_ahead([req.args for req in requests])
+            return super().loglikelihood(requests, disable_tqdm=disable_tqdm)
+
+        def _encode_ahead(self, pairs):
+            """Fill the memo with what lm-eval's _encode_pair will ask for (the context less its
+            trailing spaces, and the context with its continuation), checked against a direct
+            encoding: where they differ, nothing is kept and each string is encoded on demand."""
+            strings = set()
+            for context, continuation in pairs:
+                if context:
+                    stripped = context.rstrip()
+                    strings.update((stripped, stripped + context[len(stripped):] + continuation))
+            todo = sorted(s for s in strings if (s, None) not in self._encodings)
+            if self.backend != "causal" or not getattr(self.tokenizer, "is_fast", False) or not todo:
+                return
+            ids = _encode_many(self.tokenizer, todo, self._special_tokens_kwargs)
+            for k in sorted({0, len(todo) // 3, 2 * len(todo) // 3, len(todo) - 1}):
+                if ids[k] != super().tok_encode(todo[k]):
+                    return
+            self._encodings.update(((s, None), i) for s, i in zip(todo, ids))
+
+        def _special_tokens_kwargs(self, string):
+            from lm_eval.models.utils import _add_special_kwargs, has_bos_prefix
+
+            kwargs = _add_special_kwargs(None, self.add_bos_token)
+            if has_bos_prefix(string, self.tokenizer.decode(self.prefix_token_id)):
+                kwargs["add_special_tokens"] = False
+            return kwargs
+
+    return TaskLM
+
+
+def _encode_many(tokenizer, strings: list[str], kwargs_of) -> list[list[int]]:
+    """Each string's ids as tokenizer.encode(string, **kwargs_of(string)) gives them, encoded in
+    one batch a set of kwargs. The fast tokenizer spreads a batch over the cores unless the
+    user turned that off (glaswap's own default is off, for the forks of data loaders)."""
+    groups: dict[tuple, list[int]] = {}
+    for i, s in enumerate(strings):
+        groups.setdefault(tuple(sorted(kwargs_of(s).items())), []).append(i)
+    out: list = [None] * len(strings)
+    with _tokenizer_parallelism():
+        for kwargs, idx in groups.items():
+            batch = tokenizer([strings[i] for i in idx], **dict(kwargs))["input_ids"]
+            for i, ids in zip(idx, batch):
+                out[i] = list(ids)
+    return out
+
+
+@contextmanager
+def _tokenizer_parallelism():
+    import glaswap
+
+    if not glaswap.tokenizers_parallelism_defaulted:
+        yield
+        return
+    before = os.environ.get("TOKENIZERS_PARALLELISM")
+    os.environ["TOKENIZERS_PARALLELISM"] = "true"
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop("TOKENIZERS_PARALLELISM", None)
+        else:
+            os.environ["TOKENIZERS_PARALLELISM"] = before
+
+
+@contextmanager
+def _compiled_templates():
+    """lm-eval renders each prompt field from its Jinja source, compiling the template anew on
+    every call (utils.apply_template), which is most of the time a few-shot set takes to build
+    its prompts. While scoring, each source string is compiled once, in lm-eval's own
+    environment, so every prompt comes out the same."""
+    from lm_eval import utils
+
+    env = getattr(utils, "env", None)
+    original = getattr(utils, "apply_template", None)
+    if env is None or original is None:
+        yield
+        return
+    compiled = functools.lru_cache(maxsize=4096)(env.from_string)
+
+    def apply_template(template, doc):
+        return compiled(template).render(**doc)
+
+    utils.apply_template = apply_template
+    try:
+        yield
+    finally:
+        utils.apply_template = original
 
 
 def run_tasks(lm, configs: dict[str, list[dict]], num_fewshot: int | None, limit: int | None,
@@ -210,10 +327,11 @@ def run_tasks(lm, configs: dict[str, list[dict]], num_fewshot: int | None, limit
     from lm_eval import evaluator
 
     flat = [cfg for group in configs.values() for cfg in group]
-    res = evaluator.simple_evaluate(model=lm, tasks=flat, num_fewshot=num_fewshot, limit=limit,
-                                    task_manager=task_manager, log_samples=True, bootstrap_iters=0,
-                                    random_seed=0, numpy_random_seed=1234, torch_random_seed=1234,
-                                    fewshot_random_seed=1234)
+    with _compiled_templates():
+        res = evaluator.simple_evaluate(model=lm, tasks=flat, num_fewshot=num_fewshot, limit=limit,
+                                        task_manager=task_manager, log_samples=True, bootstrap_iters=0,
+                                        random_seed=0, numpy_random_seed=1234, torch_random_seed=1234,
+                                        fewshot_random_seed=1234)
     out = {}
     for name, group in configs.items():
         samples = [s for cfg in group for s in res["samples"][cfg["task"]]]
@@ -235,7 +353,8 @@ def summarise(samples: list[dict], lm=None) -> dict:
             var = sum((v - mean) ** 2 for v in values) / (n - 1) if n > 1 else 0.0
             out[metric], out[f"{metric}_stderr"] = mean, math.sqrt(var / n)
     if lm is not None:
-        contexts = [s["arguments"][0][0] for s in samples]
+        # the prompt as lm-eval feeds it: trailing spaces go with the continuation
+        contexts = [s["arguments"][0][0].rstrip() or s["arguments"][0][0] for s in samples]
         out["prompt_tokens"] = sum(len(lm.tok_encode(c)) for c in contexts) / max(len(contexts), 1)
     return out
 
@@ -282,16 +401,17 @@ def score_tasks(model_dir, shots: dict[str, int], teacher: str = "auto", limit: 
     dev, dt, tok, t_desc = opened.device, opened.dtype, opened.tokenizer, opened.teacher_desc
     started = time.time()
     log("student: " + ", ".join(f"{n} ({k}-shot)" for n, k in shots.items()))
-    scores = {"student": run_tasks(lm_eval_model(opened.student, tok, batch_size, str(dev)), configs, None, limit,
-                                   manager)}
+    encodings: dict = {}           # the teacher reads the same prompts in the same tokens
+    scores = {"student": run_tasks(lm_eval_model(opened.student, tok, batch_size, str(dev), encodings=encodings),
+                                   configs, None, limit, manager)}
     teacher_model = opened.teacher
     if teacher_model is None:               # "self": the student's own softmax attention
         teacher_model = opened.student
         teacher_model.set_attention_mode("softmax")
     log("teacher: the same items")
     # the same prompts in the same tokens: their length is the student's run's
-    scores["teacher"] = run_tasks(lm_eval_model(teacher_model, tok, batch_size, str(dev)), configs, None, limit,
-                                  manager, count_prompts=False)
+    scores["teacher"] = run_tasks(lm_eval_model(teacher_model, tok, batch_size, str(dev), encodings=encodings),
+                                  configs, None, limit, manager, count_prompts=False)
     result = {"model": str(model_dir), "teacher": t_desc, "tasks": {},
               "settings": {"num_fewshot": shots, "limit": limit, "batch_size": batch_size, "device": str(dev),
                            "dtype": str(dt).replace("torch.", ""), "data": DATA_WHEEL,

@@ -70,6 +70,46 @@ def test_lm_eval_scores_as_a_direct_computation():
     assert out["prompt_tokens"] == pytest.approx(sum(len(i["q"]) for i in ITEMS) / len(ITEMS))
 
 
+def test_prompts_are_encoded_once_and_as_lm_eval_encodes_them(monkeypatch):
+    """The wrapper's encodings, made ahead in one batch, are lm-eval's own (context and
+    continuation split as HFLM splits them), and a second wrapper sharing them (the teacher's)
+    encodes nothing anew."""
+    from lm_eval.models.huggingface import HFLM
+
+    model = tiny_teacher("llama").eval()
+    tok = ascii_tokenizer(eos_token="\x03", bos_token="\x02")
+    plain = HFLM(pretrained=model, tokenizer=tok, batch_size=2, device="cpu", max_length=64)
+    encodings = {}
+    lm = tasks.lm_eval_model(model, tok, batch_size=2, device="cpu", max_length=64, encodings=encodings)
+    pairs = [("Q: ab \n", "cd"), ("\x02hello  ", " x"), ("ab", "ab"), ("Q: ab \n", "ef")]
+    lm._encode_ahead(pairs)
+    assert len(encodings) == 7              # each distinct context once (3), and each whole (4)
+    want = [plain._encode_pair(c, x) for c, x in pairs]
+    assert [lm._encode_pair(c, x) for c, x in pairs] == want
+    assert len(encodings) == 7
+    monkeypatch.setattr(tok, "encode", lambda *a, **k: pytest.fail("encoded again"))
+    teacher = tasks.lm_eval_model(model, tok, batch_size=2, device="cpu", max_length=64, encodings=encodings)
+    teacher._encode_ahead(pairs)
+    assert [teacher._encode_pair(c, x) for c, x in pairs] == want
+
+
+def test_templates_are_compiled_once_and_render_as_lm_eval_renders_them(monkeypatch):
+    from lm_eval import utils
+
+    original = utils.apply_template
+    doc = {"q": "x", "choices": ["a", "b"]}
+    template = "Q: {{q}} {{choices[1]}}\n"
+    want = original(template, doc)
+    compiled = []
+    from_string = utils.env.from_string
+    monkeypatch.setattr(utils.env, "from_string", lambda t: compiled.append(t) or from_string(t))
+    with tasks._compiled_templates():
+        assert [utils.apply_template(template, doc) for _ in range(3)] == [want] * 3
+        assert utils.apply_template("{{q}}", doc) == "x"
+    assert compiled == [template, "{{q}}"]
+    assert utils.apply_template is original
+
+
 def test_task_names_and_shots():
     assert tasks.parse_tasks("piqa, arc_easy") == {"piqa": 0, "arc_easy": 0}
     assert tasks.parse_tasks("fewshot") == tasks.FEW_SHOT
