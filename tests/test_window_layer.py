@@ -506,3 +506,32 @@ def test_one_token_writes_its_sink_slot_as_a_prompt_does(held):
     assert n == min(S, held + 1)
     for a, b in zip(one.tensors(), both.tensors()):
         assert torch.equal(a, b[:, :n])
+
+
+@pytest.mark.parametrize("options", [{"window": 4, "sinks": 0}, {"window": 4, "sinks": 3, "gate": "scalar"}])
+def test_a_state_per_query_head_reads_a_prompt_into_a_cache(options):
+    """state_heads="query" with GQA: a padded prompt read into a cache, in one call and in two,
+    gives the whole forward's logits, and its decode steps those of the longer prompt."""
+    from glaswap.models.modeling_glaswap import cache_of
+
+    _, student = hybrid_student({**options, "state_heads": "query"}, arch="qwen3", layers=2)
+    randomise_new_parameters(student)
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, student.config.vocab_size, (2, 11), generator=gen)
+    mask = torch.ones(2, 11, dtype=torch.long)
+    mask[1, :3] = 0
+    with torch.no_grad():
+        full = student(input_ids=ids, attention_mask=mask).logits
+        whole = student(input_ids=ids[:, :9], attention_mask=mask[:, :9], use_cache=True)
+        first = student(input_ids=ids[:, :5], attention_mask=mask[:, :5], use_cache=True)
+        second = student(input_ids=ids[:, 5:9], attention_mask=mask[:, :9], past_key_values=cache_of(first),
+                         use_cache=True)
+        cache, steps = cache_of(whole), []
+        for t in (9, 10):
+            steps.append(student(input_ids=ids[:, t:t + 1], attention_mask=mask[:, :t + 1], past_key_values=cache,
+                                 use_cache=True).logits)
+    keep = mask[:, :9].bool()
+    torch.testing.assert_close(whole.logits[keep], full[:, :9][keep], atol=2e-5, rtol=1e-5)
+    torch.testing.assert_close(torch.cat([first.logits, second.logits], 1)[keep], full[:, :9][keep],
+                               atol=2e-5, rtol=1e-5)
+    torch.testing.assert_close(torch.cat(steps, 1), full[:, 9:], atol=2e-5, rtol=1e-5)

@@ -246,7 +246,8 @@ def _stream_block(layer, q, k, v, g, exact, pos, before, state, cached, order=No
             before.sparse, state, feature_keys[:, :T], values[:, :T], turned[:, :T], key_pos[:, :T], g, S,
             layer.per_state_head, slots)
         enter = enter & ~kept                                          # [B, T, Hkv]
-    enter = layer.per_state_head(enter[..., None])                     # [B, T, Hs or 1, 1]
+    # [B, T, 1, 1], or with a sparse cache one mask per KV head, repeated per state head
+    enter = layer.per_state_head(enter[..., None]) if layer.sparse else enter[..., None]
     k_in = feature_keys[:, :T] * enter.to(feature_keys.dtype)
     if cached and T == 1 and not torch.is_grad_enabled():
         # the state adds k_in v^T: with k_in zero where nothing enters, v needs no mask
