@@ -20,6 +20,7 @@ import shutil
 import time
 import tempfile
 import zipfile
+from array import array
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -223,7 +224,7 @@ def _task_lm_class():
             key = (string, add_special_tokens)
             ids = self._encodings.get(key)
             if ids is None:
-                ids = self._encodings[key] = super().tok_encode(string, add_special_tokens)
+                ids = self._encodings[key] = array("i", super().tok_encode(string, add_special_tokens))
             return list(ids[-left_truncate_len:] if left_truncate_len else ids)
 
         def loglikelihood(self, requests, disable_tqdm: bool = False):
@@ -246,7 +247,8 @@ def _task_lm_class():
             for k in sorted({0, len(todo) // 3, 2 * len(todo) // 3, len(todo) - 1}):
                 if ids[k] != super().tok_encode(todo[k]):
                     return
-            self._encodings.update(((s, None), i) for s, i in zip(todo, ids))
+            # kept as machine integers: a full few-shot set holds about 10^8 tokens
+            self._encodings.update(((s, None), array("i", i)) for s, i in zip(todo, ids))
 
         def _special_tokens_kwargs(self, string):
             from lm_eval.models.utils import _add_special_kwargs, has_bos_prefix
