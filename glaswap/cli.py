@@ -13,6 +13,7 @@ import click
 
 import glaswap
 from glaswap.errors import GlaswapError
+from glaswap.tasks import TASK_BATCH
 from glaswap.models.gla_options import GLA_OPTIONS
 
 
@@ -241,7 +242,9 @@ _SPARSE_HELP = ("Keep this many older tokens of each of a hybrid MODEL's layers 
               help="Window step (default: the context). Below the context, the first context-stride tokens "
                    "of each window are context only.")
 @click.option("--max-tokens", type=click.IntRange(2), default=None, help="Use at most N tokens of each file.")
-@click.option("--batch-size", type=click.IntRange(1), default=1, show_default=True, help="Windows per forward pass.")
+@click.option("--batch-size", type=click.IntRange(1), default=None,
+              help="Windows per forward pass (default 1); with --tasks, requests per forward pass (default "
+                   f"{TASK_BATCH['cuda']} on CUDA, {TASK_BATCH['cpu']} on the CPU).")
 @click.option("--out", type=click.Path(file_okay=False), default=None,
               help="Folder for the JSON and PNG (default: MODEL/eval).")
 @_scoring_options
@@ -282,7 +285,7 @@ def eval_(model, more_texts, texts, teacher, context, stride, max_tokens, batch_
     from glaswap.evaluate import evaluate
 
     evaluate(model, list(texts) + list(more_texts), teacher=teacher, context=context, stride=stride,
-             max_tokens=max_tokens, batch_size=batch_size, out=out, device=device, dtype=dtype,
+             max_tokens=max_tokens, batch_size=batch_size or 1, out=out, device=device, dtype=dtype,
              trust_remote_code=trust_remote_code, bos=bos, by_position=by_position, first_bin=first_bin,
              sparse_cache=sparse_cache, log=click.echo)
 

@@ -53,6 +53,10 @@ TASKS = {
     "sciq": TaskData("sciq/none", False),
     "mmlu": TaskData("hails/mmlu_no_train", True),   # a group: one lm-eval task per subject
 }
+# Requests a forward pass by device when --batch-size is not given: on CUDA enough rows that a
+# few-shot batch is not bound by the host's launches, with its logits (rows x prompt x vocabulary)
+# a few GB for a SmolLM2- or Llama-sized vocabulary.
+TASK_BATCH = {"cuda": 32, "cpu": 4}
 ZERO_SHOT = ("piqa", "hellaswag", "winogrande", "arc_easy", "arc_challenge")
 # The Open LLM Leaderboard's shots, which LoLCATs and others report beside zero-shot.
 FEW_SHOT = {"arc_challenge": 25, "hellaswag": 10, "winogrande": 5, "mmlu": 5}
@@ -368,8 +372,8 @@ HEADLINE = {"piqa": "acc", "hellaswag": "acc_norm", "winogrande": "acc", "arc_ea
 
 
 def score_tasks(model_dir, shots: dict[str, int], teacher: str = "auto", limit: int | None = None,
-                batch_size: int = 8, device: str = "auto", dtype: str = "auto", trust_remote_code: bool = False,
-                writes=None, log=print) -> dict:
+                batch_size: int | None = None, device: str = "auto", dtype: str = "auto",
+                trust_remote_code: bool = False, writes=None, log=print) -> dict:
     """The student and its teacher on the same items with the same shots ({task: shots}, from
     parse_tasks); returns tasks.json's content. writes: the folder the results go to, checked
     writable before anything loads."""
@@ -401,6 +405,7 @@ def score_tasks(model_dir, shots: dict[str, int], teacher: str = "auto", limit: 
                         before_load=prepare, writes=writes, log=log)
     manager, configs = opened.prepared
     dev, dt, tok, t_desc = opened.device, opened.dtype, opened.tokenizer, opened.teacher_desc
+    batch_size = batch_size or TASK_BATCH.get(dev.type, TASK_BATCH["cpu"])
     started = time.time()
     log("student: " + ", ".join(f"{n} ({k}-shot)" for n, k in shots.items()))
     encodings: dict = {}           # the teacher reads the same prompts in the same tokens
@@ -498,7 +503,7 @@ def plot_tasks(result: dict, path: Path):
 
 
 def evaluate_tasks(model_dir, spec: str, num_fewshot: int | None = None, limit: int | None = None,
-                   teacher: str = "auto", batch_size: int = 8, out=None, device: str = "auto",
+                   teacher: str = "auto", batch_size: int | None = None, out=None, device: str = "auto",
                    dtype: str = "auto", trust_remote_code: bool = False, log=print) -> dict:
     """`glaswap eval --tasks`: score, print the table, write tasks.json and tasks.png to `out`
     (default MODEL/eval)."""

@@ -185,6 +185,7 @@ def test_eval_tasks_side_by_side(tiny_folder, tmp_path):
     for name, row in result["tasks"].items():
         assert row["n"] == 3 and {"acc", "acc_stderr"} <= set(row["student"]) == set(row["teacher"])
         assert row["prompt_tokens"] > 0 and result["settings"]["num_fewshot"][name] == 1
+    assert result["settings"]["batch_size"] == tasks.TASK_BATCH["cpu"]       # no --batch-size: the device's
     assert set(result["average"]) >= {"student", "teacher", "ratio"}
     assert (out / "tasks.png").stat().st_size > 0
     assert "average" in r.output and "±" in r.output
