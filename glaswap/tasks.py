@@ -265,19 +265,24 @@ def _task_lm_class():
     return TaskLM
 
 
-def _encode_many(tokenizer, strings: list[str], kwargs_of) -> list[list[int]]:
+def _encode_many(tokenizer, strings: list[str], kwargs_of, chunk: int = 4096) -> list[list[int]]:
     """Each string's ids as tokenizer.encode(string, **kwargs_of(string)) gives them, encoded in
-    one batch a set of kwargs. The fast tokenizer spreads a batch over the cores unless the
-    user turned that off (glaswap's own default is off, for the forks of data loaders)."""
+    batches of `chunk` strings that share their kwargs, with a progress bar. The fast tokenizer
+    spreads a batch over the cores unless the user turned that off (glaswap's own default is
+    off, for the forks of data loaders)."""
+    from tqdm import tqdm
+
     groups: dict[tuple, list[int]] = {}
     for i, s in enumerate(strings):
         groups.setdefault(tuple(sorted(kwargs_of(s).items())), []).append(i)
     out: list = [None] * len(strings)
-    with _tokenizer_parallelism():
+    with _tokenizer_parallelism(), tqdm(total=len(strings), desc="Encoding prompts", unit="prompt") as bar:
         for kwargs, idx in groups.items():
-            batch = tokenizer([strings[i] for i in idx], **dict(kwargs))["input_ids"]
-            for i, ids in zip(idx, batch):
-                out[i] = list(ids)
+            for start in range(0, len(idx), chunk):
+                part = idx[start:start + chunk]
+                for i, ids in zip(part, tokenizer([strings[i] for i in part], **dict(kwargs))["input_ids"]):
+                    out[i] = ids
+                bar.update(len(part))
     return out
 
 
