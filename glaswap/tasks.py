@@ -215,8 +215,8 @@ def _task_lm_class():
     class TaskLM(HFLM):
         """HFLM with the same token ids, each distinct string encoded once: a few-shot prompt
         is the context of every choice of its item, and the teacher reads the student's
-        prompts. Before each batch of requests the strings lm-eval will encode are encoded
-        in one call of the fast tokenizer, which runs them in parallel."""
+        prompts. Before lm-eval tokenizes a set of requests, the strings it will ask for are
+        encoded in large batches of the fast tokenizer, which runs each in parallel."""
 
         def __init__(self, *args, encodings: dict | None = None, **kwargs):
             super().__init__(*args, **kwargs)
