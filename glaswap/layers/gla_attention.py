@@ -22,8 +22,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from glaswap.layers.hybrid_cache import ExactInputs, HybridBuffers, StreamLayer, prompt_order, stream
-from glaswap.layers.softmax_attention import DistanceCap, cached_softmax_attention, softmax_attention
+from glaswap.layers.hybrid_cache import (DecodeRings, ExactInputs, HybridBuffers, StreamLayer, prompt_order,
+                                         stream)
+from glaswap.layers.softmax_attention import DistanceCap, KVBuffer, cached_softmax_attention, softmax_attention
 from glaswap_kernels.ops import (chunk_gla, decode_step, feature_map, gate_logsigmoid, normalize, rope, window_attention,
                                  window_mix, with_ones)
 
@@ -263,6 +264,11 @@ class GLAAttention(nn.Module):
                 past_key_values=None, cu_seqlens=None, position_ids=None, **kwargs):
         """(output [B, T, hidden], transfer loss): the loss is the GLA output's MSE to the
         teacher's in "transfer" mode, None otherwise."""
+        if past_key_values is not None and hidden_states.shape[1] == 1 and hidden_states.is_cpu:
+            out = self._cpu_decode(hidden_states, position_embeddings, attention_mask, past_key_values, cu_seqlens,
+                                   position_ids)
+            if out is not None:
+                return out, None
         if self.is_softmax:
             return self._softmax_layer(hidden_states, position_embeddings, attention_mask, past_key_values,
                                        cu_seqlens, position_ids), None
@@ -429,11 +435,296 @@ class GLAAttention(nn.Module):
             cache.set_window_buffers(self.layer_idx, buffers)
         return o
 
+    # ---------------------------------------------------------------- decode steps on the CPU
+    # On the CPU a decode step of a small model is paced by Python's work per tensor operation
+    # more than by the arithmetic, and the general path (stream) takes the buffers apart and
+    # rebuilds them for every token. The cache's DecodeRings keep each hybrid layer's buffers in
+    # the form one token reads and writes in place, and these methods take a step in a few
+    # operations a layer, each writing into buffers made once (_DecodeWork). CUDA never comes
+    # here: it runs the Triton kernels, in a captured graph.
+
+    def _cpu_decode(self, x, position_embeddings, attention_mask, cache, cu_seqlens, position_ids):
+        """This layer's output for one new token per row on the CPU, through cache.rings; None
+        where the general path runs instead: gradients, a padding mask, packed documents, dtypes
+        other than float32 (autocast too), no window, a sparse cache, a new token that is a
+        sink, a captured decode graph's own cache (kv_write_at: its buffers stay where the graph
+        reads them)."""
+        if self.mode != "gla" or torch.is_grad_enabled() or position_ids is None or cu_seqlens is not None \
+                or x.dtype != torch.float32 or (attention_mask is not None and attention_mask.dim() == 2) \
+                or cache.kv_write_at is not None or torch.is_autocast_enabled("cpu"):
+            return None
+        rings = cache.rings
+        if rings is None:
+            rings = cache.rings = self._start_rings(cache, position_ids)
+            if rings is None:
+                return None
+        step = rings.step(cache, position_ids, position_embeddings)
+        if step is None:
+            return None
+        if self.is_softmax:
+            return self._softmax_decode(x, step, cache, rings, position_ids)
+        return self._hybrid_decode(x, rings.layers[self.layer_idx], step,
+                                   rings.consts.get(self.layer_idx) or self._decode_consts(rings))
+
+    def _start_rings(self, cache, position_ids):
+        """DecodeRings from the cache's buffers, or None where they do not apply."""
+        cfg = self.config
+        if not cfg.window or cfg.sparse_cache or cfg.gla_backend == "triton" or cfg.feature_map == "identity" \
+                or min(position_ids.view(-1).tolist()) < cfg.sinks:
+            return None
+        hybrid = [i for i in range(cfg.num_hidden_layers) if i not in cfg.softmax_layers]
+        return DecodeRings.start(hybrid, cache.windows, cache.states, cfg.window, cfg.sinks, rope_kept_dims(cfg),
+                                 cfg.use_rope, self.head_dim ** -0.5)
+
+    def _hybrid_decode(self, x, ring, step, c):
+        """_stream's output for one token per row, the ring and its state updated in place."""
+        w, state = c.work, ring.state
+        logits = self._decode_projections(x, c, w)
+        # [B, H + Hkv, 3D + 1]: [rope(x), x, the query head's score bias, the GLA path's rotation]
+        torch.baddbmm(c.score_bias, w.qk_heads, step.rotation, out=w.r)
+        self._decode_features(w, c)                          # phi [B, H + Hs, 1, F]
+        # _gate's decay: exp(logsigmoid(logits) / gate_normalizer - shift)
+        torch.exp(torch.add(c.neg_shift, F.logsigmoid(logits), alpha=c.inv_norm), out=w.decay)
+        # the state takes in the key leaving the window, the one in the slot the new token takes
+        k_new, v_new, f_new, f_old, v_old = ring.slot(step.slot)
+        c.state_rows.mul_(w.decay_rows)
+        if step.enter is not False:
+            if step.enter is not None:
+                f_old = f_old * step.enter
+            if c.repeat > 1:
+                v_old = v_old.repeat_interleave(c.repeat, 1)
+            state.addcmul_(f_old, v_old)
+        torch.mul(w.k_rope, c.key_scale, out=k_new)
+        v_new.copy_(w.v_heads)
+        f_new.copy_(w.phi_k)
+        torch.matmul(w.phi_q, state, out=w.o_lin)            # [num, den] per query head
+        if c.shared:
+            # the window's scores, then the state as one more key (window_mix_torch's shared mix):
+            # score c + log den, value num / (den + eps). Every score takes -c (c.score_bias), the
+            # same softmax; den is never negative (the feature maps are not), and at 0 the
+            # state's share is 0.
+            torch.matmul(w.q2, ring.keys_t, out=w.scores)    # [B, Hkv, G, N + 1], the last column 0
+            if step.mask is not None:
+                w.scores.add_(step.mask)
+            torch.log(w.den, out=w.score_state)
+            torch.softmax(w.scores, -1, out=w.p)
+            torch.bmm(w.p_rows, ring.values_zero, out=w.pv_rows)
+            torch.addcmul(w.pv, w.p_state, w.num / (w.den + c.eps), out=w.o)
+        else:
+            s = torch.matmul(w.q2, ring.keys_t)[..., :-1]
+            if step.mask is not None:
+                s = s + step.mask[..., :-1]
+            o_win = torch.bmm(torch.softmax(s, -1).flatten(0, 1), ring.values_zero[:, :-1]).view(w.pv.shape)
+            torch.lerp(o_win, w.num / (w.den + c.eps), torch.where(w.den > 0, c.share, 0.0), out=w.o)
+        return F.linear(w.o_flat, *c.o_proj) if c.direct else self.o_proj(w.o_flat)
+
+    def _decode_projections(self, x, c, w):
+        """A decode step's projections of x [B, 1, hidden]: q and k into w.qk, v into w.v; returns
+        the gate's logits (None for a softmax layer). Bare nn.Linear layers (c.direct) are
+        multiplied by their weights into the work buffers; others (LoRA, hooked, with q/k norms)
+        run their forward."""
+        if c.direct:
+            x2 = x.view(w.rows)
+            _product(x2, *c.q_proj, w.q)
+            _product(x2, *c.k_proj, w.k)
+            _product(x2, *c.v_proj, w.v)
+            if c.gate == "lowrank":
+                _product(_product(x2, *c.gate_down, w.gate_down), *c.gate_up, w.gate)
+            elif c.gate == "scalar":
+                _product(x2, *c.gate_proj, w.gate)
+            return w.gate_logits if c.gate in ("lowrank", "scalar") else \
+                self._key_gate(w.k_raw, c) if c.gate == "key" else None
+        q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)                     # [B, 1, heads D]
+        if c.qk_norm:
+            B, D = x.shape[0], self.head_dim
+            q, k = self.q_norm(q.view(B, 1, -1, D)).view(B, 1, -1), self.k_norm(k.view(B, 1, -1, D)).view(B, 1, -1)
+        torch.cat([q, k], -1, out=w.qk_row)
+        w.v_row.copy_(v)
+        if c.gate == "lowrank":
+            return self.gate_up(self.gate_down(x))
+        if c.gate == "scalar":
+            return self.gate_proj(x)
+        return self._key_gate(w.k_raw, c) if c.gate == "key" else None
+
+    def _key_gate(self, k, c):
+        """The "key" gate's logits from k [B, 1, Hkv, D]: the key, shifted to the starting decay."""
+        return self._per_state_head(k) + c.start_logit
+
+    def _decode_features(self, w, c):
+        """phi of the GLA path's rotation of q's and k's heads into w.phi [B, H + Hs, 1, F]: q's
+        maps, then k's per state head."""
+        u = w.gla if c.map_heads is None else w.gla[:, c.map_heads]
+        if not c.plain_maps:        # maps wrapped by peft (modules_to_save): through their forward
+            H = self.num_heads
+            phi = torch.cat([self.q_map(u[:, :H].transpose(1, 2)), self.k_map(u[:, H:].transpose(1, 2))], 2)
+            w.phi.copy_(phi.transpose(1, 2))
+            return
+        if c.map_weight is not None:
+            u = torch.matmul(u, c.map_weight, out=w.mapped)
+        if c.pm:
+            torch.cat([torch.softmax(u, -1), torch.softmax(-u, -1)], -1, out=w.phi)
+        else:
+            torch.softmax(u, -1, out=w.phi)
+
+    def _decode_consts(self, rings):
+        """What this layer's decode steps read that stays as it is while the rings live: the
+        config, the weights' views and the new parameters as they stand when the rings are made."""
+        cfg = self.config
+        H, Hkv, Hs, D = self.num_heads, self.num_kv_heads, self.num_state_heads, self.head_dim
+        c = _DecodeConsts()
+        c.qk_norm = cfg.qk_norm
+        c.gate = None if self.is_softmax else cfg.gate                 # "lowrank", "scalar" or "key"
+        c.work = rings.work = rings.work or _DecodeWork(self, rings)
+        linears = ("q_proj", "k_proj", "v_proj", "o_proj") + \
+            {"lowrank": ("gate_down", "gate_up"), "scalar": ("gate_proj",)}.get(c.gate, ())
+        c.direct = not c.qk_norm and all(_bare_linear(getattr(self, n)) for n in linears)
+        if c.direct:
+            for n in linears:       # (W^T, bias): what _product multiplies by
+                m = getattr(self, n)
+                setattr(c, n, (m.weight.t(), m.bias) if n != "o_proj" else (m.weight, m.bias))
+        if self.is_softmax:
+            # how many keys the cache may hold before the distance cap applies (0: never); None
+            # with a sliding window, left to the general path
+            c.distance = None if cfg.sliding_window else int(cfg.softmax_max_distance or cfg.max_position_embeddings)
+        else:
+            ring = rings.layers[self.layer_idx]
+            maps = (self.q_map, self.k_map)
+            c.plain_maps = all(type(m) is FeatureMap for m in maps)
+            c.map_weight = None
+            if c.plain_maps and cfg.feature_map in LEARNED_MAPS:
+                c.map_weight = torch.cat([m.weight.detach().float() for m in maps])     # [H + Hs, D, D]
+            # with a state per query head, k's map takes each KV head once per query head of its group
+            c.map_heads = None if Hs == Hkv else \
+                torch.tensor(list(range(H)) + [H + h // (Hs // Hkv) for h in range(Hs)])
+            c.pm = cfg.feature_map == "hedgehog_pm"
+            c.start_logit = self._start_logit()
+            c.inv_norm = 1.0 / cfg.gate_normalizer
+            c.neg_shift = torch.tensor(-self._decay_shift())
+            # hedgehog_pm's two halves of phi share the decay of their head dimension
+            c.state_rows = ring.state.view(ring.state.shape[0], Hs, 2, D, D + 1) if c.pm and c.gate != "scalar" \
+                else ring.state
+            c.repeat = Hs // Hkv
+            c.key_scale = rings.key_scale
+            c.shared = cfg.window_mix == "shared"
+            logit = self.window_mix().detach()
+            c.share = torch.sigmoid(logit).view(Hkv, H // Hkv, 1)
+            # added to the rotations (_hybrid_decode): -c in every score of query head h, for the
+            # shared mix
+            c.score_bias = torch.zeros(1, H + Hkv, 3 * D + 1)
+            if c.shared:
+                c.score_bias[0, :H, 2 * D] = -logit
+            c.eps = cfg.normalizer_eps
+        rings.consts[self.layer_idx] = c
+        return c
+
+    def _softmax_decode(self, x, step, cache, rings, position_ids):
+        """A softmax layer's step: cached_softmax_attention for one token where no padding was
+        ever written, the distance cap is not reached and there is no sliding window; q and k
+        rotated by the step's matrix."""
+        c = rings.consts.get(self.layer_idx) or self._decode_consts(rings)
+        kv = cache.kv_buffer(self.layer_idx)
+        if kv is None or kv.padded or c.distance is None or (c.distance and kv.length >= c.distance):
+            return None
+        w = c.work
+        self._decode_projections(x, c, w)
+        torch.bmm(w.qk_heads, step.rope, out=w.qk_rope)                                # [B, H + Hkv, D]
+        kv = kv.with_room(1)
+        at = rings.index(kv.length)
+        kv.keys.index_copy_(2, at, w.k_rope_slot)
+        kv.values.index_copy_(2, at, w.v_slot)
+        kv.valid.index_fill_(1, at, True)
+        kv.positions[:, kv.length] = position_ids.view(-1)
+        width = kv.length + 1
+        o = F.scaled_dot_product_attention(w.q_rope, kv.keys[:, :, :width], kv.values[:, :, :width],
+                                           scale=self.head_dim ** -0.5)
+        cache.set_kv_buffer(self.layer_idx, KVBuffer(kv.keys, kv.values, kv.valid, kv.positions, width))
+        o = o.view(w.o_flat.shape)
+        return F.linear(o, *c.o_proj) if c.direct else self.o_proj(o)
+
     def _combine(self, o_win, lse, o_lin):
         """One output from the window's (o_win normalised, lse) and the state's (num, den):
         the window_mix op says how; one Triton kernel each way on CUDA."""
         return window_mix(o_win, lse, o_lin, self.window_mix(), shared=self.config.window_mix == "shared",
                           eps=self.config.normalizer_eps, backend=self.config.gla_backend)
+
+
+class _DecodeConsts:
+    """A layer's constants for its CPU decode steps (DecodeRings.consts), set by the layer."""
+
+
+class _DecodeWork:
+    """The buffers a CPU decode step writes its products into and reads back, with their views
+    made once; every layer of the rings takes its step in the same ones (DecodeRings.work),
+    one layer at a time."""
+
+    def __init__(self, layer, rings):
+        cfg = layer.config
+        B = len(rings.positions)
+        H, Hkv, Hs, D, F = layer.num_heads, layer.num_kv_heads, layer.num_state_heads, layer.head_dim, \
+            feature_dim(cfg)
+        G, N1 = H // Hkv, rings.sinks + rings.window + 1
+        new = rings.rotation.eye.new_empty
+        self.rows = (B, cfg.hidden_size)
+        # the projections: q and k side by side, as heads [B, H + Hkv, D]
+        self.qk = new(B, (H + Hkv) * D)
+        self.q, self.k = self.qk[:, :H * D], self.qk[:, H * D:]
+        self.qk_row = self.qk.view(B, 1, -1)
+        self.qk_heads = self.qk.view(B, H + Hkv, D)
+        self.k_raw = self.k.view(B, 1, Hkv, D)
+        self.v = new(B, Hkv * D)
+        self.v_row = self.v.view(B, 1, -1)
+        self.v_heads = self.v.view(B, Hkv, D)
+        self.v_slot = self.v_heads[:, :, None]                         # [B, Hkv, 1, D]
+        self.o = new(B, Hkv, G, D)
+        self.o_flat = self.o.view(B, 1, H * D)
+        # a softmax layer's rotated q and k
+        self.qk_rope = new(B, H + Hkv, D)
+        self.q_rope = self.qk_rope[:, :H].view(B, Hkv, G, D)
+        self.k_rope_slot = self.qk_rope[:, H:, None]                  # [B, Hkv, 1, D]
+        # a hybrid layer's
+        self.r = new(B, H + Hkv, 3 * D + 1)
+        self.q2 = self.r[:, :H, :2 * D + 1].view(B, Hkv, G, 2 * D + 1)  # [rope(q), q, score bias]
+        self.k_rope = self.r[:, H:, :D]
+        self.gla = self.r[:, :, None, 2 * D + 1:]                      # [B, H + Hkv, 1, D]
+        self.mapped = new(B, H + Hs, 1, D)
+        self.phi = new(B, H + Hs, 1, F)
+        self.phi_q = self.phi[:, :H].view(B, Hs, H // Hs, F)
+        self.phi_k = self.phi[:, H:]
+        self.o_lin = new(B, Hs, H // Hs, D + 1)
+        self.num = self.o_lin.view(B, Hkv, G, D + 1)[..., :D]
+        self.den = self.o_lin.view(B, Hkv, G, D + 1)[..., D:]
+        self.scores = new(B, Hkv, G, N1)
+        self.score_state = self.scores[..., N1 - 1:]
+        self.p = new(B, Hkv, G, N1)
+        self.p_rows = self.p.view(B * Hkv, G, N1)
+        self.p_state = self.p[..., N1 - 1:]
+        self.pv = new(B, Hkv, G, D)
+        self.pv_rows = self.pv.view(B * Hkv, G, D)
+        # the gate: its logits (where a projection gives them) and the decay, of the logits'
+        # shape, whose rows scale the state's rows
+        self.gate_down = new(B, cfg.gate_rank)
+        if cfg.gate == "scalar":
+            self.gate_logits, self.decay = new(B, 1, Hs), new(B, 1, Hs)
+            self.decay_rows = self.decay.view(B, Hs, 1, 1)
+        else:
+            self.gate_logits = new(B, 1, Hs * D)
+            self.decay = new(B, 1, Hs * D) if cfg.gate == "lowrank" else new(B, 1, Hs, D)   # "key": k's shape
+            pm = cfg.feature_map == "hedgehog_pm"
+            self.decay_rows = self.decay.view(B, Hs, 1, D, 1) if pm else self.decay.view(B, Hs, D, 1)
+        self.gate = self.gate_logits.view(B, -1)
+
+
+def _product(x, weight_t, bias, out):
+    """x [B, in] times a linear layer's W^T [in, out], plus its bias, into `out` [B, out]."""
+    return torch.mm(x, weight_t, out=out) if bias is None else torch.addmm(bias, x, weight_t, out=out)
+
+
+def _bare_linear(m) -> bool:
+    """Whether m is an nn.Linear as it is, that no hook watches: a decode step may then take its
+    product from the weight directly (a LoRA layer or a hooked module runs its forward)."""
+    hooks = nn.modules.module
+    return type(m) is nn.Linear and not (m._forward_hooks or m._forward_pre_hooks or hooks._global_forward_hooks
+                                         or hooks._global_forward_pre_hooks)
 
 
 def sink_rotation(config):

@@ -16,6 +16,9 @@ as long as the model's positions costs nothing until a context fills it. A windo
 L < W rows stands for W rows whose first W - L are empty; a sink buffer of fewer than S rows
 (slot = position) and a sparse buffer of fewer than M for ones whose missing slots are empty.
 A captured decode graph needs fixed shapes and takes them at full size (`static`, `sized`).
+Decode steps on the CPU keep the buffers in another form while they run (`DecodeRings`), one
+that a token reads and writes in place, and turn them back into these when anything else reads
+them.
 
 This file is copied into every saved model folder: it imports only torch and the GLA ops.
 """
@@ -366,3 +369,218 @@ def sparse_select(cache: SparseBuffer, state, feature_keys, values, turned_keys,
     # a key that joins in this block is seen from its own step on (it leaves the window then)
     visible_from = torch.where(live, idx - M, -1)
     return kept[:, M:], after, visible_from, state
+
+
+# ------------------------------------------------------------------ decode steps on the CPU
+class DecodeRings:
+    """The hybrid layers' buffers and states as a decode step on the CPU reads them (GLAAttention's
+    `_cpu_decode`): what `stream` does for one new token per row, in a few tensor operations
+    per layer, each writing in place. Made from the layers' HybridBuffers (`start`), held by the
+    cache in their place while decode steps run, and turned back into them (`buffers`) when
+    anything else reads them.
+
+    A layer's keys and values stand in N = S + W slots, the S sinks then a ring of the W window
+    slots (`LayerRing`): the new token takes the slot of the key that leaves the window, so a
+    step copies no buffer. A key is 2D + 1 wide, [rope(k), 0, 1] in a window slot and [0, k
+    turned back by W steps, 1] in a sink slot, so that one product with the query's [rope(q), q,
+    b] scores both (ExactInputs says why a sink outside the window takes the unrotated query)
+    and adds b, a query head's bias, to every score.
+
+    What follows from the positions alone is the same in every layer, so it is worked out once
+    per step, on the host (`step`): the slot written, which slots the new query sees, whether the
+    key leaving the window enters the state, and the step's rotations as one matrix.
+
+    Decode steps only: a row whose new token is a sink (position < S) is left to `stream`
+    (`step` returns None), which then reads the buffers back."""
+
+    def __init__(self, window, sinks, positions, held, rotation, key_scale):
+        self.window, self.sinks = window, sinks
+        self.positions = positions        # per row, the position in each of the N slots, -1: none
+        self.held = held                  # window rows held, up to W
+        self.next = held % window         # the window slot the next token takes
+        # window slots of any row that hold no token (empty, or padding): the query must not see them
+        self.empty = sum(p < 0 for row in positions for p in row[sinks:])
+        self.sinks_full = all(p >= 0 for row in positions for p in row[:sinks])   # no step fills a sink slot
+        self.rotation = rotation          # _Rotation: the step's rotation matrix from its (cos, sin)
+        self.key_scale = key_scale
+        self.layers = {}                  # layer index -> LayerRing
+        self.consts = {}                  # layer index -> what the layer works out once for these rings
+        self.work = None                  # the buffers a layer's step writes and reads again, set by the layers
+        self._key, self._step = None, None
+        self._index = None
+        # made under torch.inference_mode, the rings' tensors take no in-place write outside it
+        self.inference = torch.is_inference_mode_enabled()
+
+    @classmethod
+    def start(cls, hybrid, windows, states, window, sinks, gla_keep, gla_rope, softmax_scale):
+        """Rings for the hybrid layers (indices `hybrid`), from their HybridBuffers (windows[i])
+        and states; each ring owns a copy of its state, which takes the state's place in `states`
+        (a None state, none yet, a zero one). None where these buffers do not fit: a layer
+        without buffers, or whose buffers hold other positions than the rest (a step that some
+        layers have read and others not), a sparse cache, dtypes other than float32, sinks still
+        to fill. gla_keep: rope_kept_dims (None: all); gla_rope: whether the GLA path rotates at
+        all; softmax_scale: the window's, which the ring's keys carry."""
+        if not hybrid or any(windows[i] is None for i in hybrid):
+            return None
+        first = windows[hybrid[0]]
+        win_pos, sink_pos = first.window.positions, first.sinks.positions
+        held = win_pos.shape[1]
+        for b in (windows[i] for i in hybrid):
+            if (b.sparse is not None or b.window.keys.dtype != torch.float32 or b.sinks.positions.shape[1] != sinks
+                    or held > window or not torch.equal(b.window.positions, win_pos)
+                    or not torch.equal(b.sinks.positions, sink_pos)):
+                return None
+        positions = [s + w + [-1] * (window - held) for s, w in zip(sink_pos.tolist(), win_pos.tolist())]
+        rings = cls(window, sinks, positions, held, _Rotation(first.window.keys, gla_keep, gla_rope), softmax_scale)
+        for i in hybrid:
+            ring = rings.layers[i] = LayerRing(windows[i], states[i], window, sinks, softmax_scale)
+            states[i] = ring.state
+        return rings
+
+    def step(self, cache, position_ids, position_embeddings):
+        """The plan of the cache's next decode step, made by the first layer that asks and
+        shared by the rest; None, before any layer has read the step, where it is the general
+        path's: a row's new token is a sink, a state in the cache is not its ring's (put there
+        from outside), or the rings were made in or out of inference mode and the step runs in
+        the other. position_ids [B or 1, 1]; position_embeddings: the teacher's (cos, sin) at
+        them."""
+        key = cache.seen_tokens
+        if key == self._key:
+            return self._step
+        W, S = self.window, self.sinks
+        rows = len(self.positions)
+        new = position_ids.view(-1).tolist()
+        if len(new) == 1:
+            new = new * rows
+        states = cache.states
+        if len(new) != rows or min(new) < S or not all(states[i] is r.state for i, r in self.layers.items()) \
+                or torch.is_inference_mode_enabled() != self.inference:
+            return None
+        w = self.next
+        col = S + w
+        leaving = [row[col] for row in self.positions]
+        for row, p in zip(self.positions, new):
+            row[col] = p
+        self.empty -= sum(p < 0 for p in leaving)
+        self.next, self.held = (w + 1) % W, min(W, self.held + 1)
+        # the key leaving the window enters the state unless it is a sink, padding or none
+        enters = [p >= S for p in leaving]
+        enter = None if all(enters) else False if not any(enters) else \
+            torch.tensor(enters, dtype=torch.float32).view(rows, 1, 1, 1)
+        # a sink is seen from its slot once W or more positions back (before that, in the window)
+        mask = None
+        if self.empty or not self.sinks_full or min(new) < W + S - 1:
+            seen = [[0 <= p <= q - W for p in row[:S]] + [p >= 0 for p in row[S:]] + [True]
+                    for row, q in zip(self.positions, new)]
+            if not all(map(all, seen)):
+                mask = torch.zeros(rows, 1, 1, S + W + 1).masked_fill_(
+                    ~torch.tensor(seen).view(rows, 1, 1, S + W + 1), float("-inf"))
+        rotation = self.rotation(*position_embeddings).expand(rows, -1, -1)
+        self._key, self._step = key, DecodeStep(w, enter, mask, rotation, rotation[..., :rotation.shape[1]])
+        return self._step
+
+    def index(self, i):
+        """torch.tensor([i]), made once for the layers that ask in turn (a softmax layer's slot)."""
+        if self._index is None or self._index[0] != i:
+            self._index = (i, torch.tensor([i]))
+        return self._index[1]
+
+    def buffers(self, layer_idx) -> HybridBuffers:
+        """Layer layer_idx's HybridBuffers as `stream` would hold them after the same tokens."""
+        ring, W, S = self.layers[layer_idx], self.window, self.sinks
+        D = ring.keys.shape[-1] // 2
+        order = list(range(self.held)) if self.held < W else [(self.next + i) % W for i in range(W)]
+        idx = torch.tensor(order)
+
+        def rows(t):           # [B, heads, slots, ...] -> [B, slots, heads, ...], its own copy
+            return t.transpose(1, 2).contiguous()
+
+        keys = ring.keys / self.key_scale
+        win = WindowBuffer(rows(keys[:, :, S:S + W, :D].index_select(2, idx)),
+                           rows(ring.values[:, :, S:S + W, :D].index_select(2, idx)),
+                           rows(ring.features.index_select(2, idx)),
+                           torch.tensor([[row[S + j] for j in order] for row in self.positions], dtype=torch.long))
+        sinks = SinkBuffer(rows(keys[:, :, :S, D:2 * D]), rows(ring.values[:, :, :S, :D]),
+                           torch.tensor([row[:S] for row in self.positions], dtype=torch.long))
+        return HybridBuffers(win, sinks)
+
+
+class LayerRing:
+    """One hybrid layer's slots (DecodeRings): keys [B, Hkv, N + 1, 2D + 1], the rotated and the
+    turned ones times the window's softmax scale, then a column of ones, their last row zero (it
+    gives the GLA state's column of the scores its place, `GLAAttention._hybrid_decode`);
+    values [B, Hkv, N + 1, D + 1], a column of ones (the normaliser's column, which the state
+    takes in with each key) and the last row zero; features [B, Hs, W, F], phi(k) of the window
+    slots, what enters the state; and the state [B, Hs, F, D + 1], this ring's own, updated in
+    place."""
+
+    def __init__(self, buffers: HybridBuffers, state, window, sinks, key_scale):
+        win, sink = buffers.window, buffers.sinks
+        B, held, Hkv, D = win.keys.shape
+        S, N = sinks, sinks + window
+        f = win.feature_keys
+        self.sinks = sinks
+        self.keys = win.keys.new_zeros(B, Hkv, N + 1, 2 * D + 1)
+        self.keys[:, :, S:S + held, :D] = win.keys.transpose(1, 2) * key_scale
+        self.keys[:, :, :S, D:2 * D] = sink.keys.transpose(1, 2) * key_scale
+        self.keys[:, :, :N, 2 * D] = 1
+        self.values = win.values.new_zeros(B, Hkv, N + 1, D + 1)
+        self.values[:, :, :N, D] = 1
+        self.values[:, :, S:S + held, :D] = win.values.transpose(1, 2)
+        self.values[:, :, :S, :D] = sink.values.transpose(1, 2)
+        self.features = f.new_zeros(B, f.shape[2], window, f.shape[3])
+        self.features[:, :, :held] = f.transpose(1, 2)
+        self.state = f.new_zeros(B, f.shape[2], f.shape[3], D + 1) if state is None else state.clone()
+        self.keys_t = self.keys.transpose(-1, -2)           # [B, Hkv, 2D + 1, N + 1], what the query multiplies
+        self.values_zero = self.values.view(B * Hkv, N + 1, D + 1)[..., :D]
+        # per window slot, the views a step reads and writes (`slot`), made in one call each
+        win = slice(S, S + window)
+        self.slots = list(zip(self.keys[:, :, win, :D].unbind(2), self.values[:, :, win, :D].unbind(2),
+                              self.features[:, :, :, None].unbind(2), self.features[..., None].unbind(2),
+                              self.values[:, :, win, None].unbind(2)))
+
+    def slot(self, w):
+        """The views of window slot w: (key [B, Hkv, D], value [B, Hkv, D], phi(k) [B, Hs, 1, F]) to
+        write the new token to, then (phi(k) [B, Hs, F, 1], [v, 1] [B, Hkv, 1, D + 1]) of the key
+        there before it."""
+        return self.slots[w]
+
+
+@dataclass
+class DecodeStep:
+    """DecodeRings.step's plan of one decode step."""
+    slot: int                          # the window slot the new token takes
+    enter: torch.Tensor | bool | None  # [B, 1, 1, 1] float, the rows whose leaving key enters the state;
+    #                                    None: every row's; False: none
+    mask: torch.Tensor | None          # [B, 1, 1, N + 1] float, -inf where the query does not see a slot;
+    #                                    None: it sees every slot
+    rotation: torch.Tensor             # [B, D, 3D + 1]: x [.., D] times it is [rope(x), x, 0, the GLA
+    #                                    path's rotation of x]
+    rope: torch.Tensor                 # [B, D, D]: x times it is rope(x)
+
+
+class _Rotation:
+    """A decode step's rotations as one matrix (DecodeStep.rotation): each is linear in x, a
+    cos on the diagonal and a sin where rotate_half moves a dimension."""
+
+    def __init__(self, like, gla_keep, gla_rope):
+        D = like.shape[-1]
+        half = D // 2
+        self.eye = torch.eye(D, dtype=like.dtype, device=like.device)
+        self.half_turn = torch.zeros(D, D, dtype=like.dtype, device=like.device)   # x @ it = rotate_half(x)
+        self.half_turn[torch.arange(half, D), torch.arange(half)] = -1
+        self.half_turn[torch.arange(half), torch.arange(half, D)] = 1
+        self.zero = torch.zeros(D, 1, dtype=like.dtype, device=like.device)
+        self.gla_keep = None if gla_keep is None else gla_keep.to(like.device)
+        self.gla_rope = gla_rope
+
+    def __call__(self, cos, sin):
+        """[B or 1, D, 3D + 1] from cos, sin [B or 1, 1, D]."""
+        rope = torch.addcmul(self.eye * cos, self.half_turn, sin)                  # [B or 1, D, D]
+        if not self.gla_rope:
+            gla = self.eye.expand_as(rope)
+        elif self.gla_keep is None:
+            gla = rope
+        else:       # the pairs the GLA path leaves unrotated: cos 1, sin 0
+            gla = torch.where(self.gla_keep, rope, self.eye)
+        return torch.cat([rope, self.eye.expand_as(rope), self.zero.expand(rope.shape[0], -1, -1), gla], -1)

@@ -106,6 +106,10 @@ class GLASwapCache(Cache):
     A hybrid layer's buffers grow with the first tokens up to their configured sizes and stay
     there; only the softmax layers' KV grows with the whole context. transformers'
     `Cache.get_seq_length()` raises when every layer is linear, so the count is kept here.
+
+    While decode steps run on the CPU, `rings` holds the hybrid layers' buffers in the form
+    those steps read and write in place (hybrid_cache.DecodeRings), and their states are the
+    rings' own, updated in place; reading `windows` turns the rings back into HybridBuffers.
     """
 
     is_compileable = False
@@ -115,6 +119,9 @@ class GLASwapCache(Cache):
         self.states = [None] * num_layers
         self.windows = [None] * num_layers
         self.kv = [None] * num_layers
+        # While decode steps run on the CPU, the hybrid layers' buffers as those steps keep them
+        # (hybrid_cache.DecodeRings); `windows` turns them back into HybridBuffers when read.
+        self.rings = None
         self.seen_tokens = 0
         # Set only on a captured decode graph's own cache (decode_graph): the slot its softmax
         # layers write the new token to, a device tensor, so the graph replays at fixed shapes.
@@ -129,6 +136,20 @@ class GLASwapCache(Cache):
         if self._order is None or self._order[:2] != key:
             self._order = (*key, compute())
         return self._order[2]
+
+    @property
+    def windows(self):
+        """Per layer its HybridBuffers (None for the layers without)."""
+        if self.rings is not None:
+            rings, self.rings = self.rings, None
+            for i in rings.layers:
+                self._windows[i] = rings.buffers(i)
+        return self._windows
+
+    @windows.setter
+    def windows(self, value):
+        self.rings = None
+        self._windows = value
 
     def recurrent_state(self, layer_idx):
         return self.states[layer_idx]
