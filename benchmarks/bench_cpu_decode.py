@@ -2,11 +2,12 @@
 
     python benchmarks/bench_cpu_decode.py MODEL [--teacher auto] [--contexts 256,1024] [--json F]
 
-Each context: a random prompt is read into a cache (`model(prompt, use_cache=True)`), then
-single greedy steps are timed (`model(token, cache)`). Student and teacher take turns in rounds,
-so that a machine other jobs share slows both alike; each figure is the median over rounds of
-a round's median step. float32, torch's default thread count. The teacher is found as `glaswap
-eval` finds it (`auto`: the source in glaswap.json; or a folder or .gguf file).
+`glaswap generate --bench` times each model once per context. On a CPU that other jobs share,
+one slow stretch then lands on one model only, so here the models take turns in rounds, each
+round timing both with generate.time_decode (a random prompt read into a cache, then greedy
+single-token steps), and each figure is the median over rounds. float32, torch's default
+thread count. The teacher is found as `glaswap eval` finds it (`auto`: the source in
+glaswap.json; or a folder or .gguf file).
 """
 
 from __future__ import annotations
@@ -15,42 +16,14 @@ import argparse
 import json
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from glaswap.models.modeling_glaswap import CACHE_NAME, cache_of  # noqa: E402
+from glaswap.generate import time_decode  # noqa: E402
 from glaswap.runtime import open_model  # noqa: E402
-
-
-@torch.no_grad()
-def prefill(model, prompt):
-    out = model(input_ids=prompt, use_cache=True, logits_to_keep=1)
-    return cache_of(out), out.logits[:, -1:].argmax(-1)
-
-
-@torch.no_grad()
-def time_prefill(model, prompt):
-    t0 = time.perf_counter()
-    prefill(model, prompt)
-    return time.perf_counter() - t0
-
-
-@torch.no_grad()
-def time_steps(model, prompt, steps):
-    """The median of `steps` timed decode steps after the prompt (and two untimed ones)."""
-    cache, token = prefill(model, prompt)
-    for _ in range(2):
-        token = model(input_ids=token, **{CACHE_NAME: cache}, use_cache=True).logits[:, -1:].argmax(-1)
-    times = []
-    for _ in range(steps):
-        t0 = time.perf_counter()
-        token = model(input_ids=token, **{CACHE_NAME: cache}, use_cache=True).logits[:, -1:].argmax(-1)
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
 
 
 def bench(models, vocab, contexts, rounds, steps):
@@ -59,16 +32,14 @@ def bench(models, vocab, contexts, rounds, steps):
     for n in contexts:
         prompt = torch.randint(0, vocab, (1, n), generator=gen)
         times = {name: {"decode": [], "prefill": []} for name in models}
-        for m in models.values():
-            time_prefill(m, prompt)                                  # warm-up
         for _ in range(rounds):
             for name, m in models.items():
-                times[name]["prefill"].append(time_prefill(m, prompt))
-                times[name]["decode"].append(time_steps(m, prompt, steps))
+                r = time_decode(m, prompt, steps)
+                times[name]["decode"].append(r["ms_per_step"])
+                times[name]["prefill"].append(1000 * r["prefill_s"])
         row = {"context": n}
         for name, t in times.items():
-            row[name] = {"decode_ms": 1000 * statistics.median(t["decode"]),
-                         "prefill_ms": 1000 * statistics.median(t["prefill"])}
+            row[name] = {"decode_ms": statistics.median(t["decode"]), "prefill_ms": statistics.median(t["prefill"])}
         rows.append(row)
         s, te = row["student"], row["teacher"]
         print(f"context {n:5d}: decode {s['decode_ms']:.1f} ms/token, teacher {te['decode_ms']:.1f} "
