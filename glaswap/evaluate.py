@@ -146,6 +146,22 @@ def _score_windows(docs, student, teacher, batch_size, device, bar):
             d.kl[first:end] = token_kl(t, s).cpu().numpy()
 
 
+# The stateful column reads a document in calls of at least context x batch tokens. On a GPU
+# each call is bound by its launches more than by its tokens, so calls are made as long as
+# the logits of one allow: about this many numbers (4 GiB in float32).
+STATEFUL_LOGITS = 2 ** 30
+
+
+def stateful_chunk(context: int, batch_size: int, vocab: int, device) -> int:
+    """Tokens per call of the stateful column: context x batch_size, and on CUDA up to
+    STATEFUL_LOGITS // vocab (the prompt is read through the kernels, so a longer call costs
+    its tokens, not another round of launches)."""
+    chunk = context * batch_size
+    if torch.device(device).type == "cuda":
+        chunk = max(chunk, STATEFUL_LOGITS // max(1, vocab))
+    return chunk
+
+
 @torch.no_grad()
 def _score_stateful(docs, student, chunk, device, bar):
     """The student reads each document once, chunk by chunk, its recurrent state carried over."""
@@ -287,7 +303,7 @@ def evaluate(model_dir, texts, teacher: str = "auto", context: int = 512, stride
     with tqdm(total=total, unit="tok", unit_scale=True, disable=not progress, dynamic_ncols=True,
               desc="tokens read") as bar:
         _score_windows(docs, student, teacher_model, batch_size, dev, bar)
-        _score_stateful(docs, student, context * batch_size, dev, bar)
+        _score_stateful(docs, student, stateful_chunk(context, batch_size, student.config.vocab_size, dev), dev, bar)
         if by_position:
             teacher_nll, limit = _score_teacher_one_pass(docs, student, teacher_model, dev, bar)
     seconds = time.time() - t0

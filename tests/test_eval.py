@@ -273,3 +273,33 @@ def test_real_smollm2_eval_on_milton(smollm2_gla, tmp_path):
                    progress=False, log=lambda *_: None)
     # The converted folder holds the GGUF weights in bf16; the GGUF teacher is dequantised in fp32.
     assert own["files"][0]["teacher"]["ppl"] == pytest.approx(f["teacher"]["ppl"], rel=0.05)
+
+
+def test_stateful_chunk_grows_on_cuda_only():
+    from glaswap.evaluate import STATEFUL_LOGITS, stateful_chunk
+
+    assert stateful_chunk(256, 4, 49152, "cpu") == 1024
+    assert stateful_chunk(256, 4, 49152, "cuda") == STATEFUL_LOGITS // 49152
+    assert stateful_chunk(8192, 8, 49152, "cuda") == 65536          # never shorter than context x batch
+
+
+def test_stateful_column_does_not_depend_on_the_chunk(model, tmp_path, monkeypatch):
+    """The state carries across calls, so one long call scores as many short ones do."""
+    import glaswap.evaluate as ev
+
+    folder = model[0]
+    path = _write(tmp_path / "a.txt", sample_text(600, seed=3))
+    seen = {}
+    real = ev._score_stateful
+
+    def spy(docs, student, chunk, device, bar):
+        seen.setdefault("chunks", []).append(chunk)
+        return real(docs, student, seen.get("force", chunk), device, bar)
+
+    monkeypatch.setattr(ev, "_score_stateful", spy)
+    short = evaluate(folder, [path], context=64, stride=64, batch_size=1, out=tmp_path / "a", **QUIET)
+    seen["force"] = 10_000
+    long = evaluate(folder, [path], context=64, stride=64, batch_size=1, out=tmp_path / "b", **QUIET)
+    assert seen["chunks"] == [64, 64]
+    a, b = short["files"][0]["stateful"]["nll"], long["files"][0]["stateful"]["nll"]
+    assert a == pytest.approx(b, rel=1e-5) and a != short["files"][0]["student"]["nll"]
