@@ -22,9 +22,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from glaswap.layers.hybrid_cache import (DecodeRings, ExactInputs, HybridBuffers, StreamLayer, prompt_order,
-                                         stream)
+from glaswap.layers.hybrid_cache import (DecodeRings, ExactInputs, HybridBuffers, SinkBuffer, StreamLayer,
+                                         WindowBuffer, prompt_order, stream)
 from glaswap.layers.softmax_attention import DistanceCap, KVBuffer, cached_softmax_attention, softmax_attention
+from glaswap_kernels.hybrid_cpu import hybrid_attention_cpu
 from glaswap_kernels.ops import (chunk_gla, decode_step, feature_map, gate_logsigmoid, normalize, rope, window_attention,
                                  window_mix, with_ones)
 
@@ -325,18 +326,16 @@ class GLAAttention(nn.Module):
     def _gla(self, x, q, k, v, position_embeddings, attention_mask, cache, cu_seqlens, position_ids=None):
         cfg = self.config
         B, T = q.shape[:2]
+        if cfg.window and x.is_cpu:
+            o = self._cpu_prefill(x, q, k, v, position_embeddings, attention_mask, cache, cu_seqlens, position_ids)
+            if o is not None:
+                return self.o_proj(o.reshape(B, T, -1))
         g = self._gate(x, k)
         if cfg.window:
             exact = self._exact_inputs(q, k, v, position_embeddings,
                                        turned=bool(cfg.sinks or (cfg.sparse_cache and cache is not None)))
         k, v = self._per_state_head(k), self._per_state_head(v)
-        cos, sin = position_embeddings if cfg.use_rope else (None, None)
-        if cos is not None and cfg.rope_max_wavelength:
-            keep = self._rope_keep
-            if keep is None or keep.device != cos.device or keep.dtype != cos.dtype:
-                # not a buffer: from_pretrained would leave a non-persistent one uninitialised
-                keep = self._rope_keep = rope_kept_dims(cfg).to(device=cos.device, dtype=cos.dtype)
-            cos, sin = cos * keep + (1 - keep), sin * keep     # unrotated pairs: cos 1, sin 0
+        cos, sin = self._gla_rotation(position_embeddings)
         q = self.q_map(q, cos, sin, cfg.gla_backend)
         k = self.k_map(k, cos, sin, cfg.gla_backend)
         if attention_mask is not None and attention_mask.dim() == 2:
@@ -386,12 +385,33 @@ class GLAAttention(nn.Module):
         q_r, k_r = rope(q, cos, sin, cfg.gla_backend), rope(k, cos, sin, cfg.gla_backend)
         if not turned:
             return ExactInputs(q_r, k_r, v, None, None)
+        return ExactInputs(q_r, k_r, v, q, self._turned(k, cos))
+
+    def _turned(self, k, like):
+        """k [B, N, Hkv, D] turned back by W steps (sink_rotation), in like's dtype and device."""
         turn = self._sink_turn
-        if turn is None or turn[0].device != cos.device or turn[0].dtype != cos.dtype:
-            turn = self._sink_turn = tuple(t.to(device=cos.device, dtype=cos.dtype) for t in sink_rotation(cfg))
-        T = k.shape[1]
-        k_s = rope(k, turn[0].expand(1, T, -1), turn[1].expand(1, T, -1), cfg.gla_backend)
-        return ExactInputs(q_r, k_r, v, q, k_s)
+        if turn is None or turn[0].device != like.device or turn[0].dtype != like.dtype:
+            turn = self._sink_turn = tuple(t.to(device=like.device, dtype=like.dtype)
+                                           for t in sink_rotation(self.config))
+        N = k.shape[1]
+        return rope(k, turn[0].expand(1, N, -1), turn[1].expand(1, N, -1), self.config.gla_backend)
+
+    def _gla_rotation(self, position_embeddings):
+        """(cos, sin) of the GLA path's rotation (rope_kept_dims), (None, None) without RoPE."""
+        cfg = self.config
+        cos, sin = position_embeddings if cfg.use_rope else (None, None)
+        if cos is not None and cfg.rope_max_wavelength:
+            keep = self._kept_dims(cos)
+            cos, sin = cos * keep + (1 - keep), sin * keep     # unrotated pairs: cos 1, sin 0
+        return cos, sin
+
+    def _kept_dims(self, like):
+        """rope_kept_dims (config.rope_max_wavelength set) as 1 and 0 in like's dtype and device."""
+        keep = self._rope_keep
+        if keep is None or keep.device != like.device or keep.dtype != like.dtype:
+            # not a buffer: from_pretrained would leave a non-persistent one uninitialised
+            keep = self._rope_keep = rope_kept_dims(self.config).to(device=like.device, dtype=like.dtype)
+        return keep
 
     def _hybrid(self, q, k, v, g, exact: ExactInputs, scale, cu_seqlens):
         """Whole sequences (training, scoring): [B, T, H, D] from the window op and chunk_gla."""
@@ -434,6 +454,82 @@ class GLAAttention(nn.Module):
             cache.set_recurrent_state(self.layer_idx, state)
             cache.set_window_buffers(self.layer_idx, buffers)
         return o
+
+    # ---------------------------------------------------------------- prompts on the CPU
+    # Without gradients, the CPU reads whole sequences, and prompts into an empty cache, through
+    # hybrid_attention_cpu: the window, the state and their mix in a few products over blocks of
+    # queries, where _hybrid and _stream take the references' many small operations and layouts.
+
+    def _cpu_prefill(self, x, q, k, v, position_embeddings, attention_mask, cache, cu_seqlens, position_ids):
+        """_hybrid's output [B, T, H, D] for whole sequences, or _stream's for a prompt read into an
+        empty cache, whose buffers and state it writes; None where the general path runs:
+        gradients, dtypes other than float32 (autocast too), padding, packed documents, a state
+        per query head, the Triton backend, a sparse cache, a cache that holds tokens already,
+        positions other than 0 .. T - 1."""
+        cfg = self.config
+        # generate() passes a mask of ones with every prompt: that is no mask
+        masked = attention_mask is not None and not (attention_mask.dim() == 2 and bool(attention_mask.all()))
+        if torch.is_grad_enabled() or x.dtype != torch.float32 or torch.is_autocast_enabled("cpu") \
+                or masked or cu_seqlens is not None \
+                or self.num_state_heads != self.num_kv_heads or cfg.gla_backend == "triton":
+            return None
+        B, T = q.shape[:2]
+        W, S = cfg.window, cfg.sinks
+        if cache is not None:
+            if cfg.sparse_cache or cache.window_buffers(self.layer_idx) is not None \
+                    or cache.recurrent_state(self.layer_idx) is not None:
+                return None
+            if position_ids is None:
+                position_ids = torch.arange(cache.seen_tokens, cache.seen_tokens + T)[None]
+            pos = position_ids.expand(B, T).long()
+            # the answer _stream would take from its empty buffers; once per call, for every layer
+            order = cache.prompt_order(T, lambda: prompt_order(HybridBuffers.empty(B, W, S, 0, k, k), None, pos,
+                                                                W, S))
+            if order != "empty":
+                return None
+        q_r, k_r, phi_q, phi_k = self._rotations_and_maps(q, k, position_embeddings)
+        k_s = self._turned(k[:, :S], q_r)
+        o, state = hybrid_attention_cpu(q_r, q, k_r, k_s, v, phi_q, phi_k, self._gate(x, k), W, S, self.window_mix(),
+                                        shared=cfg.window_mix == "shared", scale=self.head_dim ** -0.5,
+                                        eps=cfg.normalizer_eps)
+        if cache is not None:
+            # the buffers in tensors of their own, not views that would keep the prompt's alive
+            own = lambda t: t.clone(memory_format=torch.contiguous_format)     # noqa: E731
+            n = min(W, T)
+            window = WindowBuffer(own(k_r[:, T - n:]), own(v[:, T - n:]), own(phi_k[:, T - n:]), own(pos[:, T - n:]))
+            sinks = SinkBuffer(k_s, own(v[:, :S]), own(pos[:, :S]))
+            cache.set_window_buffers(self.layer_idx, HybridBuffers(window, sinks))
+            cache.set_recurrent_state(self.layer_idx, state)
+        return o
+
+    def _rotations_and_maps(self, q, k, position_embeddings):
+        """(rope(q), rope(k), phi(q), phi(k)) for _cpu_prefill, [B, T, heads, D or F] views: q and
+        k side by side take the teacher's rotation once, the GLA path's is that rotation on the
+        pairs it keeps (rope_kept_dims) and none on the rest, and plain feature maps run as one
+        product and one softmax over all their heads (maps that peft wraps run their forward)."""
+        cfg = self.config
+        B, T, H, D = q.shape
+        cos, sin = position_embeddings
+        qk = torch.cat([q, k], 2)                                              # [B, T, H + Hkv, D]
+        turned = torch.cat([-qk[..., D // 2:], qk[..., :D // 2]], -1)          # rotate_half
+        r = torch.addcmul(qk * cos[:, :, None], turned, sin[:, :, None])
+        maps = (self.q_map, self.k_map)
+        if not all(type(m) is FeatureMap for m in maps):
+            gla_cos, gla_sin = self._gla_rotation(position_embeddings)
+            return (r[:, :, :H], r[:, :, H:], self.q_map(q, gla_cos, gla_sin, cfg.gla_backend),
+                    self.k_map(k, gla_cos, gla_sin, cfg.gla_backend))
+        u = qk.new_empty(qk.shape[2], B, T, D)                                 # heads first, for the product
+        if cfg.use_rope and cfg.rope_max_wavelength:
+            torch.where(self._kept_dims(cos) > 0, r, qk, out=u.permute(1, 2, 0, 3))
+        else:
+            u.permute(1, 2, 0, 3).copy_(r if cfg.use_rope else qk)
+        u = u.view(-1, B * T, D)
+        if cfg.feature_map in LEARNED_MAPS:
+            u = torch.bmm(u, torch.cat([m.weight for m in maps]).float())
+        phi = torch.cat([torch.softmax(u, -1), torch.softmax(-u, -1)], -1) if cfg.feature_map == "hedgehog_pm" \
+            else torch.softmax(u, -1)
+        phi = phi.view(-1, B, T, phi.shape[-1]).permute(1, 2, 0, 3)           # [B, T, H + Hkv, F]
+        return r[:, :, :H], r[:, :, H:], phi[:, :, :H], phi[:, :, H:]
 
     # ---------------------------------------------------------------- decode steps on the CPU
     # On the CPU a decode step of a small model is paced by Python's work per tensor operation
