@@ -116,6 +116,42 @@ def randomise_new_parameters(model, seed: int = 0, scale: float = 0.3):
                 p.add_(scale * torch.randn(p.shape, generator=gen))
 
 
+def tiny_student(arch: str, options: dict, layers: int = 3):
+    """A tiny random teacher's conversion with `options` (glaswap.convert.glaswap_config), its
+    new parameters moved off their starting values, in eval mode."""
+    from glaswap.convert import glaswap_config
+    from glaswap.models.modeling_glaswap import GLASwapForCausalLM
+
+    teacher = tiny_teacher(arch, layers=layers)
+    model = GLASwapForCausalLM(glaswap_config(teacher.config.to_dict(), options))
+    model.load_state_dict(teacher.state_dict(), strict=False)
+    randomise_new_parameters(model)
+    return model.eval()
+
+
+def assert_same_cache(a, b):
+    """Two GLASwapCaches hold the same tokens, states, window buffers and KV buffers (float32
+    tolerances)."""
+    assert a.seen_tokens == b.seen_tokens
+    for x, y in zip(a.states, b.states, strict=True):
+        assert (x is None) == (y is None)
+        if x is not None:
+            assert x.shape == y.shape and x.dtype == y.dtype
+            torch.testing.assert_close(x, y, atol=2e-5, rtol=1e-5)
+    for wa, wb in zip(a.windows, b.windows, strict=True):
+        assert (wa is None) == (wb is None)
+        for x, y in zip(wa.tensors() if wa else [], wb.tensors() if wb else [], strict=True):
+            assert x.shape == y.shape and x.dtype == y.dtype
+            torch.testing.assert_close(x, y, atol=2e-5, rtol=1e-5)
+    for ka, kb in zip(a.kv, b.kv, strict=True):
+        assert (ka is None) == (kb is None)
+        if ka is not None:
+            assert (ka.length, ka.padded) == (kb.length, kb.padded)
+            for x, y in zip(ka.tensors(), kb.tensors()):
+                torch.testing.assert_close(x[:, :ka.length] if x.dim() == 2 else x[:, :, :ka.length],
+                                           y[:, :kb.length] if y.dim() == 2 else y[:, :, :kb.length])
+
+
 def logits_and_grads_by_backend(model, ids, backends=("torch", "triton")):
     """[(logits, {name: gradient})] of mean(logits^2) forward and backward under each GLA backend."""
     results = []

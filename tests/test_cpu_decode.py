@@ -7,11 +7,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import randomise_new_parameters, tiny_teacher
+from helpers import assert_same_cache, tiny_student
 
-from glaswap.convert import glaswap_config
 from glaswap.layers.gla_attention import GLAAttention
-from glaswap.models.modeling_glaswap import GLASwapForCausalLM, cache_of
+from glaswap.models.modeling_glaswap import cache_of
 
 # (teacher arch, GLA options)
 CASES = {
@@ -30,14 +29,6 @@ CASES = {
 # decode steps, which the general path takes), shorter than the window, longer, padded
 PROMPTS = [(1, 1, 0), (1, 3, 0), (2, 7, 2), (1, 9, 0)]
 STEPS = 11
-
-
-def _student(arch, options, layers=3):
-    teacher = tiny_teacher(arch, layers=layers)
-    model = GLASwapForCausalLM(glaswap_config(teacher.config.to_dict(), options))
-    model.load_state_dict(teacher.state_dict(), strict=False)
-    randomise_new_parameters(model)
-    return model.eval()
 
 
 class Taken:
@@ -82,33 +73,13 @@ def _general(model, monkeypatch, *args, **kwargs):
         return _decode(model, *args, **kwargs)
 
 
-def _same_cache(a, b):
-    assert a.seen_tokens == b.seen_tokens
-    for x, y in zip(a.states, b.states, strict=True):
-        assert (x is None) == (y is None)
-        if x is not None:
-            torch.testing.assert_close(x, y, atol=2e-5, rtol=1e-5)
-    for wa, wb in zip(a.windows, b.windows, strict=True):
-        assert (wa is None) == (wb is None)
-        for x, y in zip(wa.tensors() if wa else [], wb.tensors() if wb else [], strict=True):
-            assert x.shape == y.shape and x.dtype == y.dtype
-            torch.testing.assert_close(x, y, atol=2e-5, rtol=1e-5)
-    for ka, kb in zip(a.kv, b.kv, strict=True):
-        assert (ka is None) == (kb is None)
-        if ka is not None:
-            assert (ka.length, ka.padded) == (kb.length, kb.padded)
-            for x, y in zip(ka.tensors(), kb.tensors()):
-                torch.testing.assert_close(x[:, :ka.length] if x.dim() == 2 else x[:, :, :ka.length],
-                                           y[:, :kb.length] if y.dim() == 2 else y[:, :, :kb.length])
-
-
 @pytest.mark.parametrize("case", list(CASES))
 def test_cpu_decode_steps_match_the_general_path(case, monkeypatch):
     """Every decode step whose new tokens are no sinks takes the CPU path in every hybrid layer
     (and in the softmax layers where no padding was written); the logits, the states, the
     buffers turned back and the KV buffers are the general path's."""
     arch, options = CASES[case]
-    model = _student(arch, options)
+    model = tiny_student(arch, options)
     cfg = model.config
     hybrid = cfg.num_hidden_layers - len(cfg.softmax_layers)
     gen = torch.Generator().manual_seed(0)
@@ -124,11 +95,11 @@ def test_cpu_decode_steps_match_the_general_path(case, monkeypatch):
         assert taken.softmax == (len(cfg.softmax_layers) * fast if not pad else 0)
         want, general = _general(model, monkeypatch, ids, mask)
         torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-5)
-        _same_cache(cache, general)
+        assert_same_cache(cache, general)
 
 
 def test_cpu_decode_leaves_a_sparse_cache_to_the_general_path(monkeypatch):
-    model = _student("llama", {"window": 4, "sinks": 1, "sparse_cache": 2, "softmax_layers": [1]})
+    model = tiny_student("llama", {"window": 4, "sinks": 1, "sparse_cache": 2, "softmax_layers": [1]})
     ids = torch.randint(1, 128, (1, 8), generator=torch.Generator().manual_seed(0))
     taken = Taken(monkeypatch)
     _decode(model, ids, torch.ones_like(ids))
@@ -138,7 +109,7 @@ def test_cpu_decode_leaves_a_sparse_cache_to_the_general_path(monkeypatch):
 def test_prompts_and_decode_steps_in_turn_match_the_whole_sequence(monkeypatch):
     """Decode steps (the CPU path), a prompt of several tokens (the general path, which reads the
     buffers back), decode steps again: the whole sequence's logits."""
-    model = _student("llama", {"window": 4, "sinks": 2, "softmax_layers": [2]})
+    model = tiny_student("llama", {"window": 4, "sinks": 2, "softmax_layers": [2]})
     ids = torch.randint(1, 128, (1, 24), generator=torch.Generator().manual_seed(0))
     cuts = [(0, 5)] + [(t, t + 1) for t in range(5, 11)] + [(11, 17)] + [(t, t + 1) for t in range(17, 24)]
     taken = Taken(monkeypatch)
@@ -156,7 +127,7 @@ def test_prompts_and_decode_steps_in_turn_match_the_whole_sequence(monkeypatch):
 def test_cpu_decode_runs_hooked_projections_and_outside_states(monkeypatch):
     """A forward hook on a projection still fires (the layer runs the module, not its weight);
     a state put in the cache from outside sends the step to the general path, exactly."""
-    model = _student("llama", {"window": 3, "sinks": 1})
+    model = tiny_student("llama", {"window": 3, "sinks": 1})
     ids = torch.randint(1, 128, (1, 6), generator=torch.Generator().manual_seed(0))
     want, _ = _general(model, monkeypatch, ids, torch.ones_like(ids))
     calls = []
@@ -183,7 +154,7 @@ def test_cpu_decode_runs_hooked_projections_and_outside_states(monkeypatch):
 def test_cpu_decode_steps_after_inference_mode(monkeypatch):
     """Rings made under torch.inference_mode hold inference tensors, which take no in-place write
     outside it: a step outside goes the general way once, then through new rings."""
-    model = _student("llama", {"window": 3, "sinks": 1})
+    model = tiny_student("llama", {"window": 3, "sinks": 1})
     ids = torch.randint(1, 128, (1, 6), generator=torch.Generator().manual_seed(0))
     want, _ = _general(model, monkeypatch, ids, torch.ones_like(ids), steps=6)
     taken = Taken(monkeypatch)

@@ -8,13 +8,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import randomise_new_parameters, tiny_teacher
+from helpers import assert_same_cache, tiny_student
 
 import glaswap.layers.gla_attention as gla_attention
 import glaswap_kernels.hybrid_cpu as hybrid_cpu
-from glaswap.convert import glaswap_config
 from glaswap.layers.gla_attention import FeatureMap, GLAAttention, _enter_state
-from glaswap.models.modeling_glaswap import GLASwapForCausalLM, cache_of
+from glaswap.models.modeling_glaswap import cache_of
 from glaswap_kernels.gla.reference import chunk_gla_torch
 from glaswap_kernels.hybrid_cpu import hybrid_attention_cpu
 from glaswap_kernels.ops import with_ones
@@ -115,14 +114,6 @@ CASES = {
 }
 
 
-def _student(arch, options, layers=3):
-    teacher = tiny_teacher(arch, layers=layers)
-    model = GLASwapForCausalLM(glaswap_config(teacher.config.to_dict(), options))
-    model.load_state_dict(teacher.state_dict(), strict=False)
-    randomise_new_parameters(model)
-    return model.eval()
-
-
 class Taken:
     """Counts the hybrid layers' calls that the kernel served."""
 
@@ -155,24 +146,10 @@ def _prompt_then_steps(model, ids, steps=6):
     return torch.cat(logits, 1), cache
 
 
-def _same_cache(a, b):
-    assert a.seen_tokens == b.seen_tokens
-    for x, y in zip(a.states, b.states, strict=True):
-        assert (x is None) == (y is None)
-        if x is not None:
-            assert x.shape == y.shape and x.dtype == y.dtype
-            torch.testing.assert_close(x, y, atol=2e-5, rtol=1e-5)
-    for wa, wb in zip(a.windows, b.windows, strict=True):
-        assert (wa is None) == (wb is None)
-        for x, y in zip(wa.tensors() if wa else [], wb.tensors() if wb else [], strict=True):
-            assert x.shape == y.shape and x.dtype == y.dtype
-            torch.testing.assert_close(x, y, atol=2e-5, rtol=1e-5)
-
-
 @pytest.mark.parametrize("case", list(CASES))
 def test_whole_sequences_match_the_general_path(case, monkeypatch):
     arch, options = CASES[case]
-    model = _student(arch, options)
+    model = tiny_student(arch, options)
     cfg = model.config
     hybrid = cfg.num_hidden_layers - len(cfg.softmax_layers)
     W, S = cfg.window, cfg.sinks
@@ -192,7 +169,7 @@ def test_prompts_into_an_empty_cache_match_the_general_path(case, monkeypatch):
     """The prompt's logits, every layer's buffers and state, and decode steps after (the CPU
     decode path, reading those buffers) are the general path's."""
     arch, options = CASES[case]
-    model = _student(arch, options)
+    model = tiny_student(arch, options)
     cfg = model.config
     hybrid = cfg.num_hidden_layers - len(cfg.softmax_layers)
     W, S = cfg.window, cfg.sinks
@@ -204,12 +181,12 @@ def test_prompts_into_an_empty_cache_match_the_general_path(case, monkeypatch):
         assert taken.calls == hybrid
         want, general = _general(monkeypatch, lambda: _prompt_then_steps(model, ids))
         torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-5)
-        _same_cache(cache, general)
+        assert_same_cache(cache, general)
 
 
 def test_wrapped_feature_maps_run_their_forward(monkeypatch):
     """Maps that are not plain FeatureMaps (peft's wrappers, say) are called as modules."""
-    model = _student("llama", {"window": 4, "sinks": 2, "feature_map": "hedgehog_pm"})
+    model = tiny_student("llama", {"window": 4, "sinks": 2, "feature_map": "hedgehog_pm"})
     calls = []
 
     class Wrapped(FeatureMap):
@@ -225,13 +202,13 @@ def test_wrapped_feature_maps_run_their_forward(monkeypatch):
     assert taken.calls == 3 and calls
     want, general = _general(monkeypatch, lambda: _prompt_then_steps(model, ids, steps=2))
     torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-5)
-    _same_cache(cache, general)
+    assert_same_cache(cache, general)
 
 
 def test_the_general_path_takes_what_the_kernel_declines(monkeypatch):
     """Gradients, padding, packed documents, a cache that holds tokens already, positions that do
     not start at 0, a state per query head, a sparse cache, bfloat16: no call reaches the kernel."""
-    model = _student("llama", {"window": 4, "sinks": 2})
+    model = tiny_student("llama", {"window": 4, "sinks": 2})
     ids = torch.randint(1, 128, (2, 12), generator=torch.Generator().manual_seed(2))
     mask = torch.ones_like(ids)
     mask[1, :3] = 0
@@ -247,7 +224,7 @@ def test_the_general_path_takes_what_the_kernel_declines(monkeypatch):
         model(ids[:, 7:], past_key_values=cache, use_cache=True)                   # general path
     assert taken.calls == 3
     for options in ({"state_heads": "query"}, {"sparse_cache": 2}):
-        other = _student("llama", {"window": 4, "sinks": 2, **options})
+        other = tiny_student("llama", {"window": 4, "sinks": 2, **options})
         with torch.no_grad():
             other(ids, use_cache=True)
     with torch.no_grad():
@@ -257,7 +234,7 @@ def test_the_general_path_takes_what_the_kernel_declines(monkeypatch):
 
 def test_a_prompt_in_two_calls_matches_the_whole_prompt(monkeypatch):
     """The kernel's buffers and state carry on through the general path's second call."""
-    model = _student("llama", {"window": 4, "sinks": 2, "softmax_layers": [2]})
+    model = tiny_student("llama", {"window": 4, "sinks": 2, "softmax_layers": [2]})
     ids = torch.randint(1, 128, (1, 23), generator=torch.Generator().manual_seed(3))
     with torch.no_grad():
         whole = model(ids, use_cache=False).logits
@@ -269,7 +246,7 @@ def test_a_prompt_in_two_calls_matches_the_whole_prompt(monkeypatch):
 def test_a_mask_of_ones_is_no_mask(monkeypatch):
     """generate() passes a mask of ones with every prompt: the kernel takes it, with the
     unmasked call's logits."""
-    model = _student("llama", {"window": 4, "sinks": 2})
+    model = tiny_student("llama", {"window": 4, "sinks": 2})
     ids = torch.randint(1, 128, (2, 11), generator=torch.Generator().manual_seed(5))
     taken = Taken(monkeypatch)
     with torch.no_grad():
