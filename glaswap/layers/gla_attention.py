@@ -503,33 +503,32 @@ class GLAAttention(nn.Module):
         return o
 
     def _rotations_and_maps(self, q, k, position_embeddings):
-        """(rope(q), rope(k), phi(q), phi(k)) for _cpu_prefill, [B, T, heads, D or F] views: q and
-        k side by side take the teacher's rotation once, the GLA path's is that rotation on the
+        """(rope(q), rope(k), phi(q), phi(k)) for _cpu_prefill, [B, T, heads, D or F]: q and k
+        side by side take the teacher's rotation once, the GLA path's is that rotation on the
         pairs it keeps (rope_kept_dims) and none on the rest, and plain feature maps run as one
-        product and one softmax over all their heads (maps that peft wraps run their forward)."""
+        feature_map over all their heads (maps that peft wraps run their forward)."""
         cfg = self.config
-        B, T, H, D = q.shape
+        H = q.shape[2]
         cos, sin = position_embeddings
         qk = torch.cat([q, k], 2)                                              # [B, T, H + Hkv, D]
-        turned = torch.cat([-qk[..., D // 2:], qk[..., :D // 2]], -1)          # rotate_half
-        r = torch.addcmul(qk * cos[:, :, None], turned, sin[:, :, None])
-        maps = (self.q_map, self.k_map)
-        if not all(type(m) is FeatureMap for m in maps):
+        r = rope(qk, cos, sin, cfg.gla_backend)
+        if not self._plain_maps():
             gla_cos, gla_sin = self._gla_rotation(position_embeddings)
             return (r[:, :, :H], r[:, :, H:], self.q_map(q, gla_cos, gla_sin, cfg.gla_backend),
                     self.k_map(k, gla_cos, gla_sin, cfg.gla_backend))
-        u = qk.new_empty(qk.shape[2], B, T, D)                                 # heads first, for the product
         if cfg.use_rope and cfg.rope_max_wavelength:
-            torch.where(self._kept_dims(cos) > 0, r, qk, out=u.permute(1, 2, 0, 3))
+            u = torch.where(self._kept_dims(cos) > 0, r, qk)
         else:
-            u.permute(1, 2, 0, 3).copy_(r if cfg.use_rope else qk)
-        u = u.view(-1, B * T, D)
-        if cfg.feature_map in LEARNED_MAPS:
-            u = torch.bmm(u, torch.cat([m.weight for m in maps]).float())
-        phi = torch.cat([torch.softmax(u, -1), torch.softmax(-u, -1)], -1) if cfg.feature_map == "hedgehog_pm" \
-            else torch.softmax(u, -1)
-        phi = phi.view(-1, B, T, phi.shape[-1]).permute(1, 2, 0, 3)           # [B, T, H + Hkv, F]
+            u = r if cfg.use_rope else qk
+        weight = torch.cat([self.q_map.weight, self.k_map.weight]) if cfg.feature_map in LEARNED_MAPS else None
+        phi = feature_map(u, weight=weight, softmax=cfg.feature_map != "identity", backend=cfg.gla_backend,
+                          pm=cfg.feature_map == "hedgehog_pm")
         return r[:, :, :H], r[:, :, H:], phi[:, :, :H], phi[:, :, H:]
+
+    def _plain_maps(self) -> bool:
+        """Whether q's and k's feature maps are FeatureMaps as they are (not wrapped by peft's
+        modules_to_save), so that their weights can be read directly."""
+        return type(self.q_map) is FeatureMap and type(self.k_map) is FeatureMap
 
     # ---------------------------------------------------------------- decode steps on the CPU
     # On the CPU a decode step of a small model is paced by Python's work per tensor operation
@@ -684,11 +683,10 @@ class GLAAttention(nn.Module):
             c.distance = None if cfg.sliding_window else int(cfg.softmax_max_distance or cfg.max_position_embeddings)
         else:
             ring = rings.layers[self.layer_idx]
-            maps = (self.q_map, self.k_map)
-            c.plain_maps = all(type(m) is FeatureMap for m in maps)
+            c.plain_maps = self._plain_maps()
             c.map_weight = None
             if c.plain_maps and cfg.feature_map in LEARNED_MAPS:
-                c.map_weight = torch.cat([m.weight.detach().float() for m in maps])     # [H + Hs, D, D]
+                c.map_weight = torch.cat([self.q_map.weight, self.k_map.weight]).detach().float()  # [H + Hs, D, D]
             # with a state per query head, k's map takes each KV head once per query head of its group
             c.map_heads = None if Hs == Hkv else \
                 torch.tensor(list(range(H)) + [H + h // (Hs // Hkv) for h in range(Hs)])
