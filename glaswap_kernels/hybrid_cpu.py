@@ -34,6 +34,7 @@ import torch
 import torch.nn.functional as F
 
 from .gla.reference import SAFE_EXP, chunk_gla_torch
+from .ops import with_ones
 from .window.reference import window_attention_torch, window_mix_torch
 
 
@@ -245,6 +246,5 @@ def _by_references(q_r, q_s, k_r, k_s, v, phi_q, phi_k, g, W, S, logit, shared, 
     pad = [0, 0, 0, 0, W + S, 0]
     k_in = F.pad(phi_k[:, S:T - W], pad) if T > W + S else torch.zeros_like(phi_k)
     v_in = F.pad(v[:, S:T - W], pad) if T > W + S else torch.zeros_like(v)
-    v_in = torch.cat([v_in, v_in.new_ones(*v_in.shape[:-1], 1)], -1)
-    o_lin, state = chunk_gla_torch(phi_q, k_in, v_in, g, scale=gla_scale, output_final_state=True)
+    o_lin, state = chunk_gla_torch(phi_q, k_in, with_ones(v_in), g, scale=gla_scale, output_final_state=True)
     return window_mix_torch(o_win, lse, o_lin, logit, shared, eps).float(), state
