@@ -692,6 +692,31 @@ def test_bench_random_model(tmp_path, monkeypatch):
     assert json.loads((tmp_path / "out" / "decode_bench.json").read_text())["rows"][0]["context"] == 8
 
 
+def test_decode_memory_parts(tmp_path, monkeypatch):
+    """benchmarks/decode_memory.py's accounting of a mixed cache: the softmax layer's KV (keys
+    and values, their slots' flags and positions apart), the hybrid layers' states and windows,
+    each in bytes as the cache holds them; without CUDA the script stops with one line."""
+    monkeypatch.syspath_prepend(str(helpers.REPO / "benchmarks"))
+    from decode_memory import GIB, cache_parts, main
+    from random_models import random_models
+
+    student, _ = random_models("tiny", torch.float32, torch.device("cpu"), tmp_path,
+                               options={"window": 4, "sinks": 1, "softmax_layers": [1]})
+    with torch.no_grad():
+        cache = cache_of(student(input_ids=torch.randint(0, 256, (1, 40)), use_cache=True, logits_to_keep=1))
+    parts = cache_parts(cache)
+    cfg = student.config
+    kv = cache.kv[1]
+    assert parts["kv_tokens"] == 40 and parts["kv_slots"] == [kv.capacity] and kv.capacity >= 40
+    assert parts["kv"] * GIB == 2 * kv.capacity * cfg.num_key_value_heads * cfg.head_dim * 4
+    assert parts["kv_slot_meta"] * GIB == kv.capacity * (1 + 8)          # bool flag, long position
+    assert parts["states"] * GIB == cache.states[0].numel() * 4 and cache.states[1] is None
+    assert parts["windows"] > 0
+    if not torch.cuda.is_available():
+        with pytest.raises(SystemExit, match="CUDA"):
+            main([])
+
+
 # ----------------------------------------------------------------------------- real model
 @pytest.mark.slow
 def test_real_smollm2_generates_the_same_with_and_without_cache(smollm2_gla):
