@@ -40,11 +40,7 @@ def _bytes(t) -> int:
 def cache_parts(cache) -> dict:
     """GiB held by each part of a GLASwapCache, and the KV buffers' slots."""
     kv = [b for b in cache.kv if b is not None]
-    windows = 0
-    for w in cache.windows:
-        for group in (getattr(w, "window", None), getattr(w, "sinks", None), getattr(w, "sparse", None)):
-            if group is not None:
-                windows += sum(_bytes(t) for t in group.tensors())
+    windows = sum(_bytes(t) for w in cache.windows if w is not None for t in w.tensors())
     return {"kv": sum(_bytes(b.keys) + _bytes(b.values) for b in kv) / GIB,
             "kv_slot_meta": sum(_bytes(b.valid) + _bytes(b.positions) for b in kv) / GIB,
             "kv_slots": sorted({b.capacity for b in kv}),
@@ -99,11 +95,6 @@ def measure(model, context: int, steps: int, graph: bool, seed: int = 0) -> dict
     return row
 
 
-def _tokens(text: str) -> int:
-    text = text.strip().upper()
-    return int(float(text[:-1]) * 1024) if text.endswith("K") else int(text)
-
-
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--contexts", default="2K,32K", help="prompt lengths, comma-separated (K = 1024)")
@@ -112,20 +103,34 @@ def main(argv=None):
     p.add_argument("--steps", type=int, default=34, help="decode steps after each prompt")
     p.add_argument("--json", type=Path, help="also write the rows here")
     args = p.parse_args(argv)
+    from glaswap.errors import GlaswapError
+    from glaswap.runtime import parse_contexts
+
+    try:
+        contexts = parse_contexts(args.contexts)
+    except GlaswapError as e:
+        sys.exit(str(e))
+    try:
+        layers = [] if args.softmax_layers.strip().lower() == "none" else \
+            [int(x) for x in args.softmax_layers.split(",") if x.strip()]
+    except ValueError:
+        sys.exit(f"invalid --softmax-layers {args.softmax_layers!r}; write layer numbers like 2,7,14 or none")
     if not torch.cuda.is_available():
         sys.exit("decode_memory.py measures the CUDA allocator: run it on a machine with a CUDA GPU")
-    layers = [] if args.softmax_layers.strip().lower() == "none" else \
-        [int(x) for x in args.softmax_layers.split(",") if x.strip()]
     options = {"window": 128, "sinks": 4, "softmax_layers": layers}
     with tempfile.TemporaryDirectory(prefix="glaswap-mem-") as tmp:
-        student, teacher = random_models("smollm2", torch.bfloat16, torch.device("cuda"), Path(tmp), options=options)
+        try:      # convert checks the layers (in range, not repeated)
+            student, teacher = random_models("smollm2", torch.bfloat16, torch.device("cuda"), Path(tmp),
+                                             options=options)
+        except GlaswapError as e:
+            sys.exit(str(e))
     del teacher
     gc.collect()
     torch.cuda.empty_cache()
     weights = torch.cuda.memory_allocated() / GIB
     print(f"{torch.cuda.get_device_name()}: weights and buffers {weights:.3f} GiB; softmax layers {layers or 'none'}")
     rows = []
-    for context in (_tokens(c) for c in args.contexts.split(",")):
+    for context in contexts:
         for graph in (False, True):
             row = measure(student, context, args.steps, graph)
             rows.append(row)
