@@ -146,12 +146,17 @@ def _prompt_then_steps(model, ids, steps=6):
     return torch.cat(logits, 1), cache
 
 
-@pytest.mark.parametrize("case", list(CASES))
-def test_whole_sequences_match_the_general_path(case, monkeypatch):
+def _case(case):
+    """CASES[case]'s tiny student, its config, and how many of its layers are hybrid."""
     arch, options = CASES[case]
     model = tiny_student(arch, options)
     cfg = model.config
-    hybrid = cfg.num_hidden_layers - len(cfg.softmax_layers)
+    return model, cfg, cfg.num_hidden_layers - len(cfg.softmax_layers)
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_whole_sequences_match_the_general_path(case, monkeypatch):
+    model, cfg, hybrid = _case(case)
     W, S = cfg.window, cfg.sinks
     gen = torch.Generator().manual_seed(0)
     for B, T in [(1, 1), (2, W - 1), (1, W), (1, W + S + 1), (2, 37)]:
@@ -168,10 +173,7 @@ def test_whole_sequences_match_the_general_path(case, monkeypatch):
 def test_prompts_into_an_empty_cache_match_the_general_path(case, monkeypatch):
     """The prompt's logits, every layer's buffers and state, and decode steps after (the CPU
     decode path, reading those buffers) are the general path's."""
-    arch, options = CASES[case]
-    model = tiny_student(arch, options)
-    cfg = model.config
-    hybrid = cfg.num_hidden_layers - len(cfg.softmax_layers)
+    model, cfg, hybrid = _case(case)
     W, S = cfg.window, cfg.sinks
     gen = torch.Generator().manual_seed(1)
     for B, T in [(1, 1), (1, max(1, S - 1)), (2, W), (1, W + S + 1), (2, 29)]:
