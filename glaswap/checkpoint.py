@@ -359,6 +359,7 @@ CODE_FILES = [
     ("glaswap_kernels/window/reference.py", "window_reference.py"),
     ("glaswap_kernels/window/triton.py", "window_triton.py"),
     ("glaswap_kernels/window/mix.py", "window_mix.py"),
+    ("glaswap_kernels/window/decode.py", "window_decode.py"),
     ("glaswap_kernels/hybrid_cpu.py", "hybrid_cpu.py"),
     ("glaswap_kernels/rope_triton.py", "rope_triton.py"),
     ("glaswap_kernels/ops.py", "ops.py"),

@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 
 from .gla.reference import apply_rope, chunk_gla_torch, decode_step_torch, feature_map_torch, recurrent_gla_torch
-from .window.reference import window_attention_torch, window_mix_torch, window_over_buffer_torch
+from .window.reference import hybrid_decode_torch, window_attention_torch, window_mix_torch, window_over_buffer_torch
 
 try:  # Triton is optional: a saved model must load on machines without it.
     from .feature_map_triton import fused_feature_map
@@ -26,12 +26,13 @@ try:  # Triton is optional: a saved model must load on machines without it.
     from .normalizer_triton import fused_normalize
     from .rope_triton import fused_rope
     from .utils import interpreting
+    from .window.decode import fused_hybrid_decode
     from .window.mix import fused_window_mix
     from .window.triton import fused_window_attention
     HAS_TRITON = True
 except Exception:  # ImportError, or a Triton too old for the kernels
     fused_chunk_gla = fused_recurrent_gla = fused_feature_map = fused_normalize = fused_gate = None
-    fused_window_attention = fused_window_mix = fused_rope = interpreting = None
+    fused_window_attention = fused_window_mix = fused_rope = interpreting = fused_hybrid_decode = None
     HAS_TRITON = False
 
 BACKENDS = ("auto", "triton", "torch")
@@ -119,6 +120,27 @@ def decode_step(q, k, v, g, scale, state=None, backend="auto"):
     if _recurrent_on_triton(q, k, v, backend):
         return fused_recurrent_gla(q, k, v, g, scale=scale, initial_state=state, output_final_state=True)
     return decode_step_torch(q, k, v, g, scale, state)
+
+
+def hybrid_decode(q_r, q_s, q_phi, k_r, k_s, v, k_phi, g, pos, window, sinks, state, logit, softmax_scale, gla_scale,
+                  shared=True, eps=1e-6, in_place=False, backend="auto"):
+    """A hybrid layer's decode step after full buffers (window.reference.hybrid_decode_torch's
+    contract): (o [B, 1, H, D], window, sinks, state after the step). One Triton launch on
+    CUDA. With `in_place` the step is written into the given buffers and state (a captured
+    decode graph's static ones), which are returned; otherwise into new tensors."""
+    if q_r.shape[1] != 1 or window[0].shape[1] < 1 or (in_place and state is None):
+        raise ValueError(f"hybrid_decode takes one token after a window of at least one row (in place: and a "
+                         f"state); got q {tuple(q_r.shape)}, window {tuple(window[0].shape)}")
+    if _use_triton(q_r, backend):
+        return fused_hybrid_decode(q_r, q_s, q_phi, k_r, k_s, v, k_phi, g, pos, window, sinks, state, logit,
+                                   softmax_scale, gla_scale, shared, eps, inplace=in_place)
+    o, win, sink, new_state = hybrid_decode_torch(q_r, q_s, q_phi, k_r, k_s, v, k_phi, g, pos, window, sinks, state,
+                                                  logit, softmax_scale, gla_scale, shared, eps)
+    if not in_place:
+        return o, win, sink, new_state
+    for mine, new in zip((*window, *sinks, state), (*win, *sink, new_state)):
+        mine.copy_(new)
+    return o, window, sinks, state
 
 
 def window_over_buffer(q_r, q_s, k, v, key_pos, sink_k, sink_v, sink_pos, pos, window, scale,

@@ -170,9 +170,9 @@ def cdiv(a: int, b: int) -> int:
 
 
 def new(shape, dtype, device):
-    """Output buffer; full of NaN when POISON is set so unwritten entries are caught."""
+    """Output buffer; full of NaN (integers: -7) when POISON is set so unwritten entries are caught."""
     if POISON:
-        return torch.full(shape, float("nan"), dtype=dtype, device=device)
+        return torch.full(shape, float("nan") if dtype.is_floating_point else -7, dtype=dtype, device=device)
     return torch.empty(shape, dtype=dtype, device=device)
 
 

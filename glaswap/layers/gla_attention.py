@@ -445,7 +445,9 @@ class GLAAttention(nn.Module):
             buffers = HybridBuffers.empty(B, cfg.window, cfg.sinks, sparse, exact.k_rotated, k)
         state = cache.recurrent_state(self.layer_idx) if cache is not None else None
         layer = StreamLayer(cfg.window, cfg.sinks, sparse, scale, self.head_dim ** -0.5, cfg.gla_backend,
-                            self._per_state_head, self._combine)
+                            self._per_state_head, self._combine,
+                            mix=(self.window_mix(), cfg.window_mix == "shared", cfg.normalizer_eps),
+                            in_place=cache is not None and cache.kv_write_at is not None)
         order = None
         if cache is not None and T > 1 and not sparse:   # once per call, for every hybrid layer
             order = cache.prompt_order(T, lambda: prompt_order(buffers, state, pos, cfg.window, cfg.sinks))

@@ -31,8 +31,8 @@ from dataclasses import dataclass
 
 import torch
 
-from glaswap_kernels.ops import chunk_gla, decode_step, window_attention, window_over_buffer, window_over_full_buffer, \
-    with_ones
+from glaswap_kernels.ops import chunk_gla, decode_step, hybrid_decode, window_attention, window_over_buffer, \
+    window_over_full_buffer, with_ones
 
 # A sparse cache chooses what it keeps once per this many new tokens: every key leaving the
 # window within a block is scored against the state as it stood at the block's start.
@@ -176,6 +176,9 @@ class StreamLayer:
     backend: str
     per_state_head: object      # [B, N, Hkv, ...] -> [B, N, Hs, ...] (GLAAttention._per_state_head)
     combine: object             # (o_win, lse, o_lin) -> o (GLAAttention._combine)
+    mix: tuple | None = None    # what combine mixes with, (logit [H], shared, eps), for the one-step path
+    in_place: bool = False      # the buffers and state are a decode graph's static ones: decode steps
+    #                             write them where they are
 
 
 def stream(layer: StreamLayer, q, k, v, g, exact: ExactInputs, pos, buffers: HybridBuffers, state, cached: bool,
@@ -224,6 +227,20 @@ def _stream_block(layer, q, k, v, g, exact, pos, before, state, cached, order=No
     T = q.shape[1]
     win = before.window
     held = win.positions.shape[1]
+    if T == 1 and cached and layer.mix is not None and not layer.sparse and held == W \
+            and before.sinks.positions.shape[1] == S and not torch.is_grad_enabled():
+        # a decode step after full buffers: the state update, the window's softmax, the mix and
+        # the buffers after it in one op (one kernel on CUDA)
+        logit, shared, eps = layer.mix
+        sinks = before.sinks
+        q_s = exact.q_plain if exact.q_plain is not None else exact.q_rotated    # unread without sinks
+        k_s = exact.k_turned if exact.k_turned is not None else exact.k_rotated
+        o, window, sinks, state = hybrid_decode(
+            exact.q_rotated, q_s, q, exact.k_rotated, k_s, exact.values, k, g, pos,
+            (win.keys, win.values, win.feature_keys, win.positions), (sinks.keys, sinks.values, sinks.positions),
+            state, logit, layer.softmax_scale, layer.scale, shared, eps,
+            in_place=layer.in_place and state is not None, backend=layer.backend)
+        return o, HybridBuffers(WindowBuffer(*window), SinkBuffer(*sinks)), state
     # A buffer of fewer than W rows stands for W whose first ones are empty. As many of those
     # as the new tokens need stand in front, so that row t of the concatenation is still the
     # key that leaves the window at new step t (an empty row: none leaves).

@@ -223,3 +223,52 @@ def _one_query(q_r, q_s, k, v, key_pos, sink_k, sink_v, sink_pos, pos, window, s
     lse = torch.logsumexp(s, -1)                                                 # [B, Hkv, G]
     o = torch.softmax(s, -1) @ v.float().transpose(1, 2)                          # [B, Hkv, G, D]
     return o.reshape(B, 1, H, D).to(q_r.dtype), lse.reshape(B, 1, H)
+
+
+def hybrid_decode_torch(q_r, q_s, q_phi, k_r, k_s, v, k_phi, g, pos, window, sinks, state, logit, softmax_scale,
+                        gla_scale, shared=True, eps=1e-6):
+    """A hybrid layer's decode step, one new token per row, after a cache whose buffers are
+    full: window = (keys, values, feature keys, positions) of W rows [B, W, Hkv, D] (feature keys
+    [B, W, Hs, F], positions [B, W], -1 for none), oldest first; sinks = (keys turned back by W
+    steps, values, positions) of S rows, slot = position. The new token: q_r, q_s [B, 1, H, D]
+    (rotated, plain), q_phi [B, 1, H, F] (its query's feature map), k_r, k_s, v [B, 1, Hkv, D]
+    (rotated key, turned key, value), k_phi [B, 1, Hs, F], g [B, 1, Hs, F] (log-decays), pos
+    [B, 1] long. state [B, Hs, F, D + 1] float32 (the last column the normaliser's) or None.
+    logit [H]: window_mix's c.
+
+    The step, as hybrid_cache.stream takes it for one token:
+    - the key leaving the window (row 0) enters the state unless it is a sink, padding or
+      none, after the state decays by g: S = exp(g) S + phi(k_old) [v_old, 1];
+    - o_lin = gla_scale * q_phi S per query head ([num, den]);
+    - the query sees the window after the step (rows 1 .. W-1, then itself, always) and the
+      sinks W or more positions back (a new token that is a sink is written to its slot);
+    - window_mix_torch mixes the two.
+
+    Returns (o [B, 1, H, D] in q_r's dtype, the window after the step (its rows 1 .. W-1, then
+    the new token), the sinks after it, the state after it): new tensors. The reference for
+    window/decode.py, computed in float32 throughout."""
+    wk, wv, wf, wp = window
+    sk, sv, sp = sinks
+    B, _, H, D = q_r.shape
+    Hkv, Hs, F = k_r.shape[2], k_phi.shape[2], k_phi.shape[-1]
+    W, S = wk.shape[1], sk.shape[1]
+    p_new = pos.reshape(B, 1).long()
+    enter = (wp[:, 0] >= S).float()[:, None, None]                                   # [B, 1, 1]
+    f_old = wf[:, 0].float() * enter                                                  # [B, Hs, F]
+    v_old = torch.cat([wv[:, 0].float(), wv.new_ones(B, Hkv, 1, dtype=torch.float32)], -1)
+    v_old = v_old.repeat_interleave(Hs // Hkv, 1)                                     # [B, Hs, D + 1]
+    if state is None:
+        state = torch.zeros(B, Hs, F, D + 1, device=q_r.device)
+    state = g[:, 0].float().exp()[..., None] * state + f_old[..., None] * v_old[:, :, None]
+    o_lin = (q_phi[:, 0].float().view(B, Hs, H // Hs, F) @ state).reshape(B, 1, H, D + 1) * gla_scale
+    # the buffers after the step
+    win = tuple(torch.cat([t[:, 1:], new.to(t.dtype)], 1)
+                for t, new in ((wk, k_r), (wv, v), (wf, k_phi), (wp, p_new)))
+    is_sink = (p_new >= 0) & (p_new < S) & (torch.arange(S, device=sp.device) == p_new)   # [B, S]
+    sink = (torch.where(is_sink[..., None, None], k_s.to(sk.dtype), sk),
+            torch.where(is_sink[..., None, None], v.to(sv.dtype), sv),
+            torch.where(is_sink, p_new, sp))
+    o_win, lse = _one_query(q_r.float(), q_s.float(), win[0], win[1], win[3], sink[0], sink[1], sink[2], p_new, W,
+                            softmax_scale)
+    o = window_mix_torch(o_win, lse, o_lin, logit, shared=shared, eps=eps)
+    return o.to(q_r.dtype), win, sink, state
