@@ -355,6 +355,7 @@ CODE_FILES = [
     ("glaswap_kernels/gla/chunk.py", "gla_chunk.py"),
     ("glaswap_kernels/feature_map_triton.py", "feature_map_triton.py"),
     ("glaswap_kernels/normalizer_triton.py", "normalizer_triton.py"),
+    ("glaswap_kernels/rmsnorm_triton.py", "rmsnorm_triton.py"),
     ("glaswap_kernels/gate_triton.py", "gate_triton.py"),
     ("glaswap_kernels/window/reference.py", "window_reference.py"),
     ("glaswap_kernels/window/triton.py", "window_triton.py"),

@@ -24,6 +24,7 @@ try:  # Triton is optional: a saved model must load on machines without it.
     from .gla.chunk import fused_chunk_gla
     from .gla.recurrent import fused_recurrent_gla
     from .normalizer_triton import fused_normalize
+    from .rmsnorm_triton import fused_rms_norm
     from .rope_triton import fused_rope
     from .utils import interpreting
     from .window.decode import fused_hybrid_decode
@@ -31,7 +32,7 @@ try:  # Triton is optional: a saved model must load on machines without it.
     from .window.triton import fused_window_attention
     HAS_TRITON = True
 except Exception:  # ImportError, or a Triton too old for the kernels
-    fused_chunk_gla = fused_recurrent_gla = fused_feature_map = fused_normalize = fused_gate = None
+    fused_chunk_gla = fused_recurrent_gla = fused_feature_map = fused_normalize = fused_gate = fused_rms_norm = None
     fused_window_attention = fused_window_mix = fused_rope = interpreting = fused_hybrid_decode = None
     HAS_TRITON = False
 
@@ -85,6 +86,17 @@ def normalize(o, eps=1e-6, backend="auto"):
         return fused_normalize(o, eps)
     num, den = o[..., :-1], o[..., -1:]
     return num / (den.float() + eps).to(num.dtype)
+
+
+def rms_norm(x, weight, eps=1e-6, backend="auto"):
+    """Llama's RMSNorm: weight * (x * rsqrt(mean(x^2) + eps)).to(x.dtype), normalised in float32.
+    One Triton kernel on CUDA where no gradient is wanted (inference); PyTorch's ops otherwise."""
+    wants_grad = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)
+    if not wants_grad and _use_triton(x, backend):
+        return fused_rms_norm(x, weight, eps)
+    dtype = x.dtype
+    x = x.float()
+    return weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)).to(dtype)
 
 
 def gate_logsigmoid(x, normalizer, repeat=1, shift=0.0, backend="auto"):

@@ -295,3 +295,57 @@ def test_gpu_fused_gate_bf16(repeat, shift):
     # A 1B model's gate: 8 x 2048 tokens, 8 KV heads of 64 (hedgehog_pm: repeat 2), with and
     # without a decay horizon's shift.
     check_gate(gate_logits((8, 2048, 8, 64), torch.bfloat16), repeat, 1e-2, shift=shift)
+
+
+# ------------------------------------------------------------------ RMSNorm (inference)
+def check_rms_norm(shape, dtype, weight_dtype=None, tol=1e-6, seed=0):
+    """fused_rms_norm against ops.rms_norm's PyTorch form on the same inputs (Llama's: normalised
+    in float32, cast to x's dtype, scaled in the promoted dtype)."""
+    from glaswap_kernels import rmsnorm_triton
+    from glaswap_kernels.ops import rms_norm
+
+    gen = torch.Generator().manual_seed(seed)
+    x = (3 * torch.randn(*shape, generator=gen)).to(DEVICE, dtype)
+    w = (1 + 0.1 * torch.randn(shape[-1], generator=gen)).to(DEVICE, weight_dtype or dtype)
+    with torch.no_grad():
+        want = rms_norm(x, w, 1e-5, backend="torch")
+        got = rmsnorm_triton.fused_rms_norm(x, w, 1e-5)
+    assert got.dtype == want.dtype and got.shape == want.shape
+    assert torch.isfinite(got).all(), "unwritten rows (NaN)"
+    assert rel(got.cpu(), want.cpu()) < tol, rel(got.cpu(), want.cpu())
+
+
+@pytest.mark.parametrize("shape", [(1, 1, 96), (2, 37, 96), (5, 80), (3, 576)])
+def test_fused_rms_norm(shape):
+    check_rms_norm(shape, torch.float32)
+
+
+def test_fused_rms_norm_bf16_and_promotion():
+    check_rms_norm((2, 7, 48), torch.bfloat16, tol=1e-2)
+    check_rms_norm((2, 7, 48), torch.bfloat16, weight_dtype=torch.float32, tol=1e-2)   # a float32 output
+
+
+def test_rms_norm_module_trains_through_pytorch():
+    """The RMSNorm module takes the kernel only where no gradient is wanted: under autograd its
+    weight still gets one, and both paths give the same values."""
+    from glaswap.layers.gla_attention import RMSNorm
+
+    norm = RMSNorm(40, eps=1e-5).to(DEVICE)
+    with torch.no_grad():
+        norm.weight.add_(0.1 * torch.randn(40, generator=torch.Generator().manual_seed(1)).to(DEVICE))
+    x = torch.randn(3, 5, 40, generator=torch.Generator().manual_seed(2)).to(DEVICE)
+    y = norm(x)
+    y.sum().backward()
+    assert norm.weight.grad is not None and torch.isfinite(norm.weight.grad).all()
+    with torch.no_grad():
+        assert rel(norm(x).cpu(), y.detach().cpu()) < 1e-6
+    with pytest.raises(ValueError, match="weight"):
+        from glaswap_kernels import rmsnorm_triton
+        rmsnorm_triton.fused_rms_norm(x, norm.weight[:-1])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
+def test_gpu_fused_rms_norm_bf16():
+    check_rms_norm((64, 1, 576), torch.bfloat16, tol=1e-2)
+    check_rms_norm((4, 2048, 2048), torch.bfloat16, tol=1e-2)

@@ -26,8 +26,8 @@ from glaswap.layers.hybrid_cache import (DecodeRings, ExactInputs, HybridBuffers
                                          WindowBuffer, prompt_order, stream)
 from glaswap.layers.softmax_attention import DistanceCap, KVBuffer, cached_softmax_attention, softmax_attention
 from glaswap_kernels.hybrid_cpu import hybrid_attention_cpu
-from glaswap_kernels.ops import (chunk_gla, decode_step, feature_map, gate_logsigmoid, normalize, rope, window_attention,
-                                 window_mix, with_ones)
+from glaswap_kernels.ops import (chunk_gla, decode_step, feature_map, gate_logsigmoid, normalize, rms_norm, rope,
+                                 window_attention, window_mix, with_ones)
 
 # The allowed gates and feature maps: gla_options.GLA_OPTIONS.
 LEARNED_MAPS = ("hedgehog", "hedgehog_pm")   # the maps with a per-head matrix W
@@ -90,10 +90,7 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x):
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
+        return rms_norm(x, self.weight, self.eps)       # one kernel on CUDA when no gradient is wanted
 
 
 class FeatureMap(nn.Module):
