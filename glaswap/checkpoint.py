@@ -356,6 +356,7 @@ CODE_FILES = [
     ("glaswap_kernels/feature_map_triton.py", "feature_map_triton.py"),
     ("glaswap_kernels/normalizer_triton.py", "normalizer_triton.py"),
     ("glaswap_kernels/rmsnorm_triton.py", "rmsnorm_triton.py"),
+    ("glaswap_kernels/silu_mul_triton.py", "silu_mul_triton.py"),
     ("glaswap_kernels/gate_triton.py", "gate_triton.py"),
     ("glaswap_kernels/window/reference.py", "window_reference.py"),
     ("glaswap_kernels/window/triton.py", "window_triton.py"),

@@ -25,6 +25,7 @@ try:  # Triton is optional: a saved model must load on machines without it.
     from .gla.recurrent import fused_recurrent_gla
     from .normalizer_triton import fused_normalize
     from .rmsnorm_triton import fused_rms_norm
+    from .silu_mul_triton import fused_silu_mul
     from .rope_triton import fused_rope
     from .utils import interpreting
     from .window.decode import fused_hybrid_decode
@@ -32,7 +33,7 @@ try:  # Triton is optional: a saved model must load on machines without it.
     from .window.triton import fused_window_attention
     HAS_TRITON = True
 except Exception:  # ImportError, or a Triton too old for the kernels
-    fused_chunk_gla = fused_recurrent_gla = fused_feature_map = fused_normalize = fused_gate = fused_rms_norm = None
+    fused_chunk_gla = fused_recurrent_gla = fused_feature_map = fused_normalize = fused_gate = fused_rms_norm = fused_silu_mul = None
     fused_window_attention = fused_window_mix = fused_rope = interpreting = fused_hybrid_decode = None
     HAS_TRITON = False
 
@@ -97,6 +98,14 @@ def rms_norm(x, weight, eps=1e-6, backend="auto"):
     dtype = x.dtype
     x = x.float()
     return weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)).to(dtype)
+
+
+def silu_mul(a, b, backend="auto"):
+    """The gated MLP's silu(a) * b: one Triton kernel on CUDA where no gradient is wanted."""
+    wants_grad = torch.is_grad_enabled() and (a.requires_grad or b.requires_grad)
+    if not wants_grad and a.shape == b.shape and a.dtype == b.dtype and _use_triton(a, backend):
+        return fused_silu_mul(a, b)
+    return torch.nn.functional.silu(a) * b
 
 
 def gate_logsigmoid(x, normalizer, repeat=1, shift=0.0, backend="auto"):

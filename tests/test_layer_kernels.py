@@ -1,5 +1,6 @@
 """The kernels around the GLA kernel in a converted model, against their PyTorch forms:
-the fused feature map (RoPE, per-head matrix, softmax) and the normaliser's division.
+the fused feature map (RoPE, per-head matrix, softmax), the normaliser's division, the gate,
+and the inference-only RMSNorm and SiLU product.
 
 Under the Triton interpreter on CPU at tiny shapes; the `gpu` tests repeat them at a 1B
 model's shapes in bf16. Outputs and gradients are compared by relative RMS; the kernels'
@@ -349,3 +350,30 @@ def test_rms_norm_module_trains_through_pytorch():
 def test_gpu_fused_rms_norm_bf16():
     check_rms_norm((64, 1, 576), torch.bfloat16, tol=1e-2)
     check_rms_norm((4, 2048, 2048), torch.bfloat16, tol=1e-2)
+
+
+# ------------------------------------------------------------------ SiLU * up (inference)
+@pytest.mark.parametrize("shape,dtype,tol", [((3, 1, 160), torch.float32, 1e-6), ((2, 7, 1537), torch.float32, 1e-6),
+                                             ((2, 5, 96), torch.bfloat16, 1e-2)])
+def test_fused_silu_mul(shape, dtype, tol):
+    """fused_silu_mul against PyTorch's silu(a) * b, over a last block that is partly full."""
+    from glaswap_kernels import silu_mul_triton
+
+    gen = torch.Generator().manual_seed(0)
+    a, b = ((3 * torch.randn(*shape, generator=gen)).to(DEVICE, dtype) for _ in range(2))
+    want = torch.nn.functional.silu(a) * b
+    got = silu_mul_triton.fused_silu_mul(a, b)
+    assert got.dtype == dtype and torch.isfinite(got).all()
+    assert rel(got.cpu(), want.cpu()) < tol
+    with pytest.raises(ValueError, match="one shape"):
+        silu_mul_triton.fused_silu_mul(a, b[..., :-1])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
+def test_gpu_fused_silu_mul_bf16():
+    from glaswap_kernels import silu_mul_triton
+
+    gen = torch.Generator().manual_seed(0)
+    a, b = (torch.randn(64, 1, 1536, generator=gen).to("cuda", torch.bfloat16) for _ in range(2))
+    assert rel(silu_mul_triton.fused_silu_mul(a, b).cpu(), (torch.nn.functional.silu(a) * b).cpu()) < 1e-2

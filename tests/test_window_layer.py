@@ -106,6 +106,31 @@ def test_layer_matches_its_definition(options):
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
 
 
+def test_gla_rotation_is_worked_out_once_a_forward(monkeypatch):
+    """Every layer of a forward takes the same GLA-path rotation: the first works it out, and the
+    forward lets go of it at its end; the logits are those of a rotation worked out per layer."""
+    from glaswap.layers import gla_attention
+
+    _, student = hybrid_student({"window": 2, "sinks": 1, "rope_max_wavelength": 16.0}, layers=3)
+    randomise_new_parameters(student)
+    student = student.to(torch.bfloat16)     # not the CPU's float32 path, which rotates in its own way
+    ids = torch.randint(0, 128, (2, 9), generator=torch.Generator().manual_seed(4))
+    calls = []
+    kept = gla_attention.GLAAttention._kept_dims
+    monkeypatch.setattr(gla_attention.GLAAttention, "_kept_dims", lambda self, like: calls.append(1) or kept(self, like))
+    with torch.no_grad():
+        once = student(ids).logits
+        assert len(calls) == 1 and gla_attention._ROTATION.last is None
+
+        class Forgetful:            # a memo that never holds: each layer works the rotation out
+            last = property(lambda self: None, lambda self, value: None)
+
+        monkeypatch.setattr(gla_attention, "_ROTATION", Forgetful())
+        every = student(ids).logits
+    assert len(calls) == 1 + 3
+    torch.testing.assert_close(once, every, rtol=0, atol=0)
+
+
 @pytest.mark.parametrize("mix", ["shared", "learned"])
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
 def test_step0_reproduces_the_teacher_within_the_window(arch, mix):

@@ -81,6 +81,19 @@ def rope_kept_dims(config):
     return torch.cat([keep, keep])                    # rotate_half pairs dimension j with j + D/2
 
 
+class _RotationMemo:
+    """The last forward's GLA-path rotation (GLAAttention._gla_rotation): (position_embeddings,
+    config, (cos, sin)). The model's forward clears it when its layers are done."""
+    last = None
+
+
+_ROTATION = _RotationMemo()
+
+
+def clear_rotation_memo():
+    _ROTATION.last = None
+
+
 class RMSNorm(nn.Module):
     """Llama's RMSNorm: normalise in float32, scale in the input dtype."""
 
@@ -394,13 +407,20 @@ class GLAAttention(nn.Module):
         return rope(k, turn[0].expand(1, N, -1), turn[1].expand(1, N, -1), self.config.gla_backend)
 
     def _gla_rotation(self, position_embeddings):
-        """(cos, sin) of the GLA path's rotation (rope_kept_dims), (None, None) without RoPE."""
+        """(cos, sin) of the GLA path's rotation (rope_kept_dims), (None, None) without RoPE. The
+        same in every layer of a forward: the first layer works it out, the rest take it from
+        _ROTATION (the model hands each layer the same position_embeddings tuple)."""
         cfg = self.config
         cos, sin = position_embeddings if cfg.use_rope else (None, None)
-        if cos is not None and cfg.rope_max_wavelength:
-            keep = self._kept_dims(cos)
-            cos, sin = cos * keep + (1 - keep), sin * keep     # unrotated pairs: cos 1, sin 0
-        return cos, sin
+        if cos is None or not cfg.rope_max_wavelength:
+            return cos, sin
+        memo = _ROTATION.last
+        if memo is not None and memo[0] is position_embeddings and memo[1] is cfg:
+            return memo[2]
+        keep = self._kept_dims(cos)
+        out = cos * keep + (1 - keep), sin * keep              # unrotated pairs: cos 1, sin 0
+        _ROTATION.last = (position_embeddings, cfg, out)
+        return out
 
     def _kept_dims(self, like):
         """rope_kept_dims (config.rope_max_wavelength set) as 1 and 0 in like's dtype and device."""

@@ -27,10 +27,11 @@ from transformers.activations import ACT2FN
 from transformers.cache_utils import Cache
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
 
-from glaswap.layers.gla_attention import MODES, GLAAttention, RMSNorm, rope_inv_freq
+from glaswap.layers.gla_attention import MODES, GLAAttention, RMSNorm, clear_rotation_memo, rope_inv_freq
 from glaswap.layers.softmax_attention import KVBuffer
 from glaswap.models.configuration_glaswap import GLASwapConfig
 from glaswap.models.gla_options import parse_softmax_layers
+from glaswap_kernels.ops import silu_mul
 
 # The transformers releases (major, minor), inclusive, this code is tested with. A saved folder
 # is used without glaswap's install pins, so the code itself says when it runs outside them.
@@ -249,8 +250,11 @@ class MLP(nn.Module):
         self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=config.mlp_bias)
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=config.mlp_bias)
         self.act_fn = ACT2FN[config.hidden_act]
+        self.silu = config.hidden_act in ("silu", "swish")
 
     def forward(self, x):
+        if self.silu:       # one kernel on CUDA when no gradient is wanted
+            return self.down_proj(silu_mul(self.gate_proj(x), self.up_proj(x)))
         return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
 
 
@@ -376,6 +380,7 @@ class GLASwapModel(GLASwapPreTrainedModel):
                                             cu_seqlens, position_ids)
             if loss is not None:   # "transfer" mode
                 transfer_losses.append(loss)
+        clear_rotation_memo()
         if past_key_values is not None:
             past_key_values.seen_tokens += T
         out = BaseModelOutputWithPast(last_hidden_state=self.norm(hidden_states), **{CACHE_NAME: past_key_values})
