@@ -26,6 +26,8 @@ import math
 
 import torch
 
+from ..gla.reference import decode_step_torch
+
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
@@ -250,17 +252,14 @@ def hybrid_decode_torch(q_r, q_s, q_phi, k_r, k_s, v, k_phi, g, pos, window, sin
     wk, wv, wf, wp = window
     sk, sv, sp = sinks
     B, _, H, D = q_r.shape
-    Hkv, Hs, F = k_r.shape[2], k_phi.shape[2], k_phi.shape[-1]
+    Hkv, Hs = k_r.shape[2], k_phi.shape[2]
     W, S = wk.shape[1], sk.shape[1]
     p_new = pos.reshape(B, 1).long()
     enter = (wp[:, 0] >= S).float()[:, None, None]                                   # [B, 1, 1]
     f_old = wf[:, 0].float() * enter                                                  # [B, Hs, F]
     v_old = torch.cat([wv[:, 0].float(), wv.new_ones(B, Hkv, 1, dtype=torch.float32)], -1)
     v_old = v_old.repeat_interleave(Hs // Hkv, 1)                                     # [B, Hs, D + 1]
-    if state is None:
-        state = torch.zeros(B, Hs, F, D + 1, device=q_r.device)
-    state = g[:, 0].float().exp()[..., None] * state + f_old[..., None] * v_old[:, :, None]
-    o_lin = (q_phi[:, 0].float().view(B, Hs, H // Hs, F) @ state).reshape(B, 1, H, D + 1) * gla_scale
+    o_lin, state = decode_step_torch(q_phi.float(), f_old[:, None], v_old[:, None], g, gla_scale, state)
     # the buffers after the step
     win = tuple(torch.cat([t[:, 1:], new.to(t.dtype)], 1)
                 for t, new in ((wk, k_r), (wv, v), (wf, k_phi), (wp, p_new)))
