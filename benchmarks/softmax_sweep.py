@@ -229,19 +229,26 @@ def main(argv=None):
     status.update(jobs.run(scoring))
     if args.memory_contexts:
         (out / "memory").mkdir(exist_ok=True)
-        memory = []
+        memory, same_count = [], {}
         for n, layers in variants:
             chosen = json.loads(layers) if layers.startswith("[") else \
                 (_read(out / n / "config.json") or {}).get("softmax_layers")
-            if chosen is None or (out / "memory" / f"{n}-raw.json").exists():
+            if chosen is None:
+                continue
+            # decode memory depends on how many layers keep a KV cache, not on which
+            first = same_count.setdefault(len(chosen), n)
+            if first != n or (out / "memory" / f"{n}-raw.json").exists():
                 continue
             memory.append((f"{n}-memory", [sys.executable, str(REPO / "benchmarks" / "decode_memory.py"),
                                            "--softmax-layers", ",".join(map(str, chosen)) or "none",
                                            "--contexts", args.memory_contexts,
                                            "--json", str(out / "memory" / f"{n}-raw.json")]))
         status.update(Jobs(1, out / "logs").run(memory))     # one at a time: each reads its own peak
-        for n, _ in variants:
-            rows = memory_rows(out / "memory" / f"{n}-raw.json")
+        for n, layers in variants:
+            chosen = json.loads(layers) if layers.startswith("[") else \
+                (_read(out / n / "config.json") or {}).get("softmax_layers")
+            first = same_count.get(len(chosen)) if chosen is not None else None
+            rows = memory_rows(out / "memory" / f"{first or n}-raw.json")
             if rows:
                 (out / "memory" / f"{n}.json").write_text(json.dumps(rows, indent=2) + "\n")
     summary = summarise(out, variants)

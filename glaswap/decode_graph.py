@@ -60,9 +60,9 @@ def kv_length(cache) -> int:
 
 
 def kv_capacity(needed: int) -> int:
-    """Static KV slots for a graph that must hold `needed` tokens: room for an eighth more (at
-    least KV_STEP) before it is captured again."""
-    return -(-(needed + max(KV_STEP, needed // 8)) // KV_STEP) * KV_STEP
+    """Static KV slots for a graph that must hold `needed` tokens: room for a sixteenth more (at
+    least KV_STEP) before it is captured again, so spare slots stay a small part of the cache."""
+    return -(-(needed + max(KV_STEP, needed // 16)) // KV_STEP) * KV_STEP
 
 
 def _shares(a: KVBuffer | None, b: KVBuffer | None) -> bool:

@@ -12,6 +12,7 @@ from helpers import tiny_teacher
 
 from glaswap.convert import glaswap_config
 from glaswap.errors import GlaswapError
+import glaswap.layers.softmax_attention as softmax_attention_module
 from glaswap.layers.softmax_attention import DistanceCap, cached_softmax_attention, softmax_attention
 from glaswap.models.modeling_glaswap import GLASwapForCausalLM
 from glaswap_kernels.ops import apply_rope
@@ -73,7 +74,12 @@ def test_whole_sequence_and_cached_paths_match_the_direct_scores(B, T, H, Hkv, D
     assert kv.length == T and kv.positions[:, :T].tolist() == [list(range(T))] * B
 
 
-def test_cached_pieces_and_decode_steps_match_the_direct_scores():
+@pytest.mark.parametrize("piece", [None, 1])
+def test_cached_pieces_and_decode_steps_match_the_direct_scores(piece, monkeypatch):
+    """piece 1: the cached keys are turned back in slices of 16 (the fewest), so scores are
+    assembled across slices, as they are past a few million key elements."""
+    if piece is not None:
+        monkeypatch.setattr(softmax_attention_module, "CAP_PIECE", piece)
     B, T, H, Hkv, D, L = 2, 41, 4, 2, 32, 6
     q, k, v = _inputs(B, T, H, Hkv, D, seed=3)
     inv = _freqs(D)

@@ -290,9 +290,8 @@ def cached_softmax_attention(q, k, v, position_embeddings, kv: KVBuffer | None, 
         # causal over real keys; a padded query sees itself, so no row is empty
         allowed = ((j[None, :] <= slots[:, None])[None] & kv.valid[:, None, :width]) \
             | (j[None, :] == slots[:, None])[None]
-        o = _capped_attention(q, cap.far_queries(q_plain), kv.keys[:, :, :width],
-                              cap.unrotate(kv.keys[:, :, :width], kv.positions[:, :width]), kv.values[:, :, :width],
-                              kv.positions[:, slots], kv.positions[:, :width], allowed, cap.distance, D ** -0.5)
+        o = _capped_attention(q, cap.far_queries(q_plain), kv.keys[:, :, :width], kv.values[:, :, :width], cap,
+                              kv.positions[:, slots], kv.positions[:, :width], allowed, D ** -0.5)
     elif unmasked and (past == 0 or T == 1 or causal_lower_right is not None):
         keys, values = (k, v) if past == 0 else (kv.keys[:, :, :width], kv.values[:, :, :width])
         o = _grouped_sdpa(q, keys, values, None, D ** -0.5)
@@ -312,25 +311,36 @@ def cached_softmax_attention(q, k, v, position_embeddings, kv: KVBuffer | None, 
     return o.transpose(1, 2).reshape(B, T, H * D), kv
 
 
-def _capped_attention(q, q_far, keys, keys_plain, values, q_pos, k_pos, allowed, distance, scale):
+# Keys a capped layer turns back at a time, as a number of elements (a few MB at most).
+CAP_PIECE = 1 << 22
+
+
+def _capped_attention(q, q_far, keys, values, cap, q_pos, k_pos, allowed, scale):
     """Softmax of q [B, H, T, D] (rotated) over keys [B, Hkv, S, D] (rotated) where a key is less
-    than `distance` positions back, else of q_far over keys_plain (DistanceCap.far_queries and
-    .unrotate): the capped score. q_pos [B, T], k_pos [B, S]: positions; allowed [B, T, S]
-    bool. Query blocks keep the scores within about 2^26 numbers. Returns [B, H, T, D]."""
+    than `cap.distance` positions back, else of q_far (DistanceCap.far_queries) over the key
+    turned back to its unrotated form: the capped score. q_pos [B, T], k_pos [B, S]: positions;
+    allowed [B, T, S] bool. Query blocks keep the scores within about 2^26 numbers; keys are
+    turned back a slice at a time, so no unrotated copy of the whole cache is ever held.
+    Returns [B, H, T, D]."""
     B, H, T, D = q.shape
     Hkv, S = keys.shape[1], keys.shape[2]
     R = H // Hkv
     block = max(1, min(T, (1 << 26) // max(1, B * H * S)))
+    piece = max(16, CAP_PIECE // max(1, B * Hkv * D))
     outs = []
     for a in range(0, T, block):
         b = min(T, a + block)
         n = b - a
         rows = lambda x: x[:, :, a:b].reshape(B, Hkv, R * n, D)                 # noqa: E731
-        near = (rows(q) @ keys.transpose(-1, -2)).view(B, Hkv, R, n, S)
-        far = (rows(q_far) @ keys_plain.transpose(-1, -2)).view(B, Hkv, R, n, S)
-        close = (q_pos[:, a:b, None] - k_pos[:, None, :]) < distance            # [B, n, S]
-        s = torch.where(close[:, None, None], near, far).float() * scale
-        s = s.masked_fill(~allowed[:, None, None, a:b], float("-inf"))
+        s = torch.empty(B, Hkv, R, n, S, dtype=torch.float32, device=q.device)
+        for c in range(0, S, piece):
+            e = min(S, c + piece)
+            part = keys[:, :, c:e]
+            near = (rows(q) @ part.transpose(-1, -2)).view(B, Hkv, R, n, e - c)
+            far = (rows(q_far) @ cap.unrotate(part, k_pos[:, c:e]).transpose(-1, -2)).view(B, Hkv, R, n, e - c)
+            close = (q_pos[:, a:b, None] - k_pos[:, None, c:e]) < cap.distance    # [B, n, e - c]
+            s[..., c:e] = torch.where(close[:, None, None], near, far)
+        s = (s * scale).masked_fill_(~allowed[:, None, None, a:b], float("-inf"))
         p = torch.softmax(s, -1).to(values.dtype)
         outs.append((p.view(B, Hkv, R * n, S) @ values).view(B, H, n, D))
     return torch.cat(outs, 2)
