@@ -300,12 +300,26 @@ def evaluate(model_dir, texts, teacher: str = "auto", context: int = 512, stride
     log(f"scoring {window_tokens:,} tokens in windows of {context} (model and teacher), then {one_pass:,} in one pass "
         f"({'model and teacher' if by_position else 'model'}): {total:,} tokens read in all")
     t0 = time.time()
+    parts = {}
+
+    def timed(part, tokens, fn, *args):
+        """fn(*args), its wall time and tokens read kept under `part` (the GPU finished first)."""
+        begin = time.time()
+        out = fn(*args)
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
+        took = time.time() - begin
+        parts[part] = {"tokens": tokens, "seconds": round(took, 3), "tokens_per_second": round(tokens / max(took, 1e-9), 1)}
+        return out
+
     with tqdm(total=total, unit="tok", unit_scale=True, disable=not progress, dynamic_ncols=True,
               desc="tokens read") as bar:
-        _score_windows(docs, student, teacher_model, batch_size, dev, bar)
-        _score_stateful(docs, student, stateful_chunk(context, batch_size, student.config.vocab_size, dev), dev, bar)
+        timed("windows", 2 * window_tokens, _score_windows, docs, student, teacher_model, batch_size, dev, bar)
+        timed("stateful", one_pass, _score_stateful, docs, student,
+              stateful_chunk(context, batch_size, student.config.vocab_size, dev), dev, bar)
         if by_position:
-            teacher_nll, limit = _score_teacher_one_pass(docs, student, teacher_model, dev, bar)
+            teacher_nll, limit = timed("teacher_one_pass", one_pass, _score_teacher_one_pass, docs, student,
+                                       teacher_model, dev, bar)
     seconds = time.time() - t0
 
     result = {
@@ -319,6 +333,7 @@ def evaluate(model_dir, texts, teacher: str = "auto", context: int = 512, stride
         "by_absolute_position": by_absolute_position(docs, first_bin, teacher_nll, limit) if by_position else None,
         "seconds": round(seconds, 2),
         "tokens_per_second": round(total / max(seconds, 1e-9), 1),
+        "speed": parts,      # windows: model and teacher together; stateful: the model alone
         "load_seconds": round(t0 - started, 2),
     }
     result["versions"] = versions()
@@ -377,6 +392,11 @@ def format_table(result: dict) -> str:
     lines.append(f"context {s['context']}, stride {s['stride']}{', BOS first' if s.get('bos') else ''}, "
                  f"teacher {teacher}; stateful = the model reading "
                  f"each file in one pass; KL = mean KL(teacher || model) per token, nats")
+    speed = result.get("speed") or {}
+    if "windows" in speed and "stateful" in speed:
+        w, st = speed["windows"]["tokens_per_second"], speed["stateful"]["tokens_per_second"]
+        lines.append(f"read {w:,.0f} tokens/s in windows (model and teacher), {st:,.0f} tokens/s stateful "
+                     f"({st / max(w, 1e-9):.2f}x)")
     return "\n".join(lines)
 
 

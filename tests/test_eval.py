@@ -96,6 +96,9 @@ def test_one_window_matches_plain_forward_passes(model, tmp_path):
         t_nll, s_nll = _nll(teacher(ids).logits, ids), _nll(gla(ids).logits, ids)
     f = res["files"][0]
     assert f["tokens"] == 199 and f["windows"] == 1
+    # each part's speed: both models over the window, then the model alone in one pass
+    assert res["speed"]["windows"]["tokens"] == 2 * res["speed"]["stateful"]["tokens"] == 400
+    assert all(p["tokens_per_second"] > 0 for p in res["speed"].values())
     assert f["bytes"] == len(text.encode()) - len(text[0].encode())
     assert f["teacher"]["ppl"] == pytest.approx(math.exp(t_nll.mean().item()), rel=1e-5)
     assert f["student"]["ppl"] == pytest.approx(math.exp(s_nll.mean().item()), rel=1e-5)
