@@ -5,25 +5,28 @@ in one computation (`hybrid_attention_cpu`).
 The references (window.reference, gla.reference) go a block of queries at a time through
 their own layouts and hand the window's output and log-normaliser to window_mix_torch. On a
 CPU their many small operations, the copies between layouts and the extra passes over the
-scores (logsumexp, then softmax) cost more than the arithmetic. Here the queries are laid out
-once in blocks of C tokens, [B, Hkv, blocks, C G, D] (row c G + g: token c of the block,
-query head g of the KV head's group), and each product covers every block of a span at once:
+scores cost more than the arithmetic. Here the queries are laid out once in blocks of C
+tokens, [B, Hkv, blocks, C G, D] (row c G + g: token c of the block, query head g of the KV
+head's group):
 
-- window: block n's queries score the keys n C - W + 1 .. n C + C - 1 (an unfolded view of the
-  keys padded in front by W - 1 rows, read in place one KV head at a time), the sinks (with
-  q_s and k_s, window.reference says why) and, with the shared mix, the state as one more key
-  of score c + log den and value num / (den + eps). One softmax over those columns gives the
-  mixed output:
-  (e^lse o_win + e^c num) / (e^lse + e^c den) is window_mix_torch's shared mix, and the
-  window's log-normaliser is never formed. With the learned mix the softmax has no state
-  column, and the parts mix with sigmoid(c) where den > 0.
+- window: block n's queries attend to the keys n C - W + 1 .. n C + C - 1, an unfolded view of
+  the keys padded in front by W - 1 rows, through PyTorch's fused CPU attention with each
+  block as one head: it reads the overlapping views in place, never writes the scores out, and
+  returns the window's log-normaliser lse beside its output.
+- the rest, from the first token that has more (token W: a sink outside its window; the
+  state): one softmax per query row over a few columns, lse, the sinks' scores s_i (with q_s
+  and k_s, window.reference says why) and, with the shared mix, the state's c + log den, gives
+  each part's share of (e^lse o_win + sum_i e^s_i v_i + e^c num) / (e^lse + sum_i e^s_i + e^c den),
+  window_mix_torch's shared mix of the window with its sinks and the state (whose value is
+  num / (den + eps)). With the learned mix the softmax has no state column, and the parts mix
+  with sigmoid(c) where den > 0.
 - state: GLA over the keys that have left the window, in chunks of whole query blocks, as
   gla.reference's chunked form computes it. Key j >= S enters at step j + W; chunks that end
   before step W + S take none and are skipped.
 
 Where a chunk's decay is too strong for the factorised scores (gla.reference.SAFE_EXP) the
-references run instead. Spans of `span` tokens bound the scores' memory on long inputs, the
-state passing from one span to the next.
+references run instead. Spans of `span` tokens bound the memory of the state's scores and of
+the masks on long inputs, the state passing from one span to the next.
 """
 
 from __future__ import annotations
@@ -36,6 +39,10 @@ import torch.nn.functional as F
 from .gla.reference import SAFE_EXP, chunk_gla_torch
 from .ops import with_ones
 from .window.reference import window_attention_torch, window_mix_torch
+
+# (output, logsumexp) of PyTorch's fused CPU attention: it reads overlapping, strided keys in
+# place, never forms the scores, and its logsumexp lets the sinks and the state join afterwards
+_attention = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 
 
 def hybrid_attention_cpu(q_r, q_s, k_r, k_s, v, phi_q, phi_k, g, window, sinks, logit, shared=True, scale=None,
@@ -83,72 +90,66 @@ def hybrid_attention_cpu(q_r, q_s, k_r, k_s, v, phi_q, phi_k, g, window, sinks, 
         rows[..., :Fd] = phi_k[:, S:T - W].transpose(1, 2)
         rows[..., Fd:Fd + D] = v[:, S:T - W].transpose(1, 2)
         rows[..., Fd + D] = 1
-    # keys (times the scale) and values padded in front by W - 1 rows: block n's window is their
-    # rows n C .. n C + L - 1
+    # keys and values padded in front by W - 1 rows: block n's window is their rows n C .. n C + L - 1
     keys = k_r.new_zeros(B, Hkv, P + Tp, D)
-    torch.mul(k_r.transpose(1, 2), scale, out=keys[:, :, P:P + T])
+    keys[:, :, P:P + T] = k_r.transpose(1, 2)
     values = v.new_zeros(B, Hkv, P + Tp, D)
     values[:, :, P:P + T] = v.transpose(1, 2)
     ns = k_s.shape[1]
     if S:
-        sink_keys = k_r.new_zeros(B, Hkv, S, D)                 # sinks beyond T stay zero (masked)
-        torch.mul(k_s.transpose(1, 2), scale, out=sink_keys[:, :, :ns])
-        sink_values = v.new_zeros(B, Hkv, S, D)
-        sink_values[:, :, :ns] = v[:, :ns].transpose(1, 2)
+        sink_keys = k_r.new_zeros(B, Hkv, 1, D, S)              # sinks beyond T stay zero (masked)
+        torch.mul(k_s.permute(0, 2, 3, 1), scale, out=sink_keys[:, :, 0, :, :ns])
+        sink_values = v.new_zeros(B, Hkv, 1, S, D)
+        sink_values[:, :, 0, :ns] = v[:, :ns].transpose(1, 2)
 
     o = q_r.new_empty(B, Tp, H, D)
     state = q_r.new_zeros(B, Hkv, Fd, D + 1)
-    head, steady = _window_bias(W, S, C, ns, shared)
     for a in range(0, Tp, span):
         b = min(Tp, a + span)
         n = (b - a) // C                                        # blocks in this span
-        qb = _blocks(q_r, a, b, C, Hkv)                          # [B, Hkv, n, C G, D]
-        # block n's window keys are rows n C .. n C + L - 1 of `keys`: one view, [B, Hkv, n, D, L]
-        # (and [.., L, D] of `values`), whose blocks overlap, so that a product over all of
-        # (B, Hkv, n) at once would copy them; one KV head at a time, they are read in place
-        window_keys = keys[:, :, a:b + P].unfold(2, L, C)
-        window_values = values[:, :, a:b + P].unfold(2, L, C).transpose(-1, -2)
-        # the scores' columns: the sinks, the window's keys, the state (shared mix)
-        s = qb.new_empty(B, Hkv, n, C * G, S + L + int(shared))
-        qs = _blocks(q_s, a, b, C, Hkv) if S else None
-        for i in range(B):
-            for h in range(Hkv):
-                if S:
-                    s[i, h, :, :, :S] = qs[i, h] @ sink_keys[i, h].t()
-                s[i, h, :, :, S:S + L] = torch.bmm(qb[i, h], window_keys[i, h])
+        # the window: block n's C G query rows against its L keys, an unfolded view of the padded
+        # keys (read in place, blocks overlapping) as the heads of one fused attention call
+        qb = _blocks(q_r, a, b, C, Hkv).flatten(0, 1)            # [B Hkv, n, C G, D]
+        window_keys = keys[:, :, a:b + P].unfold(2, L, C).transpose(-1, -2).flatten(0, 1)
+        window_values = values[:, :, a:b + P].unfold(2, L, C).transpose(-1, -2).flatten(0, 1)
+        out, lse = _attention(qb, window_keys, window_values, attn_mask=_window_mask(W, C, G, a // C, n),
+                              scale=scale)
+        out, lse = out.unflatten(0, (B, Hkv)), lse.unflatten(0, (B, Hkv))
         lin = None
         if enter is not None and b > first:
             lin = _state_part(phi_q, enter, Gc, state, max(a, first), b, first, C, CG, Hkv, Fd, D, gla_scale)
             start = (max(a, first) - a) // C                    # the span's first block with a state part
             num, den = lin[..., :D], lin[..., D:]
-        if shared:
-            column = s[..., S + L:]
-            column.fill_(float("-inf"))
-            if lin is not None:
-                # score c + log den; den is 0 (log -inf) until a key has entered, never negative
-                torch.add(den.log(), _per_row(logit, Hkv, C), out=column[:, :, start:])
-        s = s.view(B, Hkv, n, C, G, -1)
-        m = len(head) - a // C                                  # the span's blocks that take `head`
-        if m > 0:
-            s[:, :, :m] += head[a // C:b // C]
-        if m < n:
-            s[:, :, max(m, 0):] += steady
-        p = torch.softmax(s, -1).view(B, Hkv, n, C * G, -1)
-        out = qb.new_empty(B, Hkv, n, C * G, D)
-        for i in range(B):
-            for h in range(Hkv):
-                pw = p[i, h, :, :, S:S + L]
-                if S:
-                    torch.baddbmm(p[i, h, :, :, :S] @ sink_values[i, h], pw, window_values[i, h], out=out[i, h])
-                else:
-                    torch.bmm(pw, window_values[i, h], out=out[i, h])
-        if lin is not None:
-            o_state = num / (den + eps)
+        # only tokens from W on see a sink outside their window, and the state is empty before
+        # `first`: earlier blocks keep the window's output as it is
+        m = min(n, max(0, W - a) // C, start if lin is not None else n)
+        if m < n and (S or lin is not None):
+            # the window as one column of score lse beside the sinks' and, with the shared mix, the
+            # state's (score c + log den, value num / (den + eps)): one softmax over those columns
+            # gives each part's share of window_mix_torch's output
+            s = out.new_empty(B, Hkv, n - m, C * G, 1 + S + int(shared))
+            s[..., 0] = lse[:, :, m:]
+            if S:
+                torch.add(_blocks(q_s, a + m * C, b, C, Hkv) @ sink_keys,
+                          _sink_bias(W, S, ns, C, G, a + m * C, b), out=s[..., 1:1 + S])
             if shared:
-                out[:, :, start:].addcmul_(p[:, :, start:, :, -1:], o_state)
-            else:
-                share = torch.where(den > 0, _per_row(torch.sigmoid(logit), Hkv, C), 0.0)
-                out[:, :, start:].lerp_(o_state, share)
+                column = s[..., 1 + S]
+                column.fill_(float("-inf"))
+                if lin is not None:
+                    # den is 0 (log -inf) until a key has entered, never negative
+                    torch.add(den.log(), _per_row(logit, Hkv, C), out=s[:, :, start - m:, :, 1 + S:])
+            p = torch.softmax(s, -1)
+            tail = out[:, :, m:]
+            tail.mul_(p[..., :1])
+            if S:
+                tail.add_(p[..., 1:1 + S] @ sink_values)
+            if lin is not None:
+                o_state = num / (den + eps)
+                if shared:
+                    tail[:, :, start - m:].addcmul_(p[..., 1 + S:][:, :, start - m:], o_state)
+                else:
+                    share = torch.where(den > 0, _per_row(torch.sigmoid(logit), Hkv, C), 0.0)
+                    tail[:, :, start - m:].lerp_(o_state, share)
         o[:, a:b].view(B, n, C, Hkv, G, D).copy_(out.view(B, Hkv, n, C, G, D).permute(0, 2, 3, 1, 4, 5))
     return o[:, :T], state
 
@@ -210,23 +211,39 @@ def _per_row(per_head, Hkv, C):
 
 
 @functools.lru_cache(maxsize=32)
-def _window_bias(W, S, C, ns, state_column):
-    """(head [h, C, 1, columns], steady [C, 1, columns]): 0 where token c of a block sees the
-    column (the sinks, the block's C + W - 1 window keys, the state), -inf elsewhere; ns: the
-    sinks there are. The first h blocks hold tokens that see part of the window's keys or not
-    every sink; every later block sees as `steady` does. The same for every layer."""
-    h = -(-(W + S - 1) // C)
-    n = torch.arange(h + 1).view(-1, 1, 1)
-    i = n * C + torch.arange(C).view(1, C, 1)                    # the query's token
-    j = n * C - (W - 1) + torch.arange(C + W - 1)                # the key's
+def _window_mask(W, C, G, n0, n):
+    """The additive mask of blocks n0 .. n0 + n - 1 over their window keys: 0 where row c G + g
+    (token c of the block) sees key l of the block's C + W - 1, -inf elsewhere. [1, n, C G, L],
+    or [C G, L] where every block is past the first h, whose windows reach before token 0 and
+    which all see as the same mask. The same for every layer."""
+    h = -(-(W - 1) // C)
+    steady = n0 >= h
+    blocks = torch.arange(n0, n0 + (1 if steady else n)).view(-1, 1, 1)
+    i = blocks * C + torch.arange(C).view(1, C, 1)               # the query's token
+    j = blocks * C - (W - 1) + torch.arange(C + W - 1)           # the key's
+    seen = (j >= 0) & (j <= i) & (i - j < W)
+    mask = torch.zeros(seen.shape).masked_fill_(~seen, float("-inf"))
+    mask = mask[:, :, None].expand(-1, C, G, C + W - 1).reshape(-1, C * G, C + W - 1)
+    return mask[0] if steady else mask[None]
+
+
+def _sink_bias(W, S, ns, C, G, t0, t1):
+    """[1, 1, blocks, C G, S] for tokens t0 .. t1 - 1: 0 where the token scores sink s (one of
+    the ns there are, outside its window), -inf elsewhere. Past token W + S - 1 every token
+    sees every sink, so those spans share one cached tensor."""
+    steady = W + S - 1
+    if t0 > steady:
+        t0, t1 = steady, steady + t1 - t0
+    return _sink_bias_at(W, S, ns, C, G, t0, t1)
+
+
+@functools.lru_cache(maxsize=32)
+def _sink_bias_at(W, S, ns, C, G, t0, t1):
+    t = torch.arange(t0, t1).view(-1, 1)
     s = torch.arange(S)
-    seen = [((s < ns) & (i - s >= W)).expand(h + 1, C, S),       # sinks out of the window
-            (j >= 0) & (j <= i) & (i - j < W)]
-    if state_column:
-        seen.append(torch.ones(h + 1, C, 1, dtype=torch.bool))
-    seen = torch.cat(seen, -1)
-    bias = torch.zeros(seen.shape).masked_fill_(~seen, float("-inf"))[:, :, None]
-    return bias[:h], bias[h]
+    seen = (s < ns) & (t - s >= W)
+    bias = torch.zeros(seen.shape).masked_fill_(~seen, float("-inf"))
+    return bias.view(-1, C, 1, S).expand(-1, C, G, S).reshape(1, 1, -1, C * G, S)
 
 
 @functools.lru_cache(maxsize=8)

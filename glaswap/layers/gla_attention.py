@@ -522,26 +522,43 @@ class GLAAttention(nn.Module):
         return o
 
     def _rotations_and_maps(self, q, k, position_embeddings):
-        """(rope(q), rope(k), phi(q), phi(k)) for _cpu_prefill, [B, T, heads, D or F]: q and k
-        side by side take the teacher's rotation once, the GLA path's is that rotation on the
-        pairs it keeps (rope_kept_dims) and none on the rest, and plain feature maps run as one
-        feature_map over all their heads (maps that peft wraps run their forward)."""
+        """(rope(q), rope(k), phi(q), phi(k)) for _cpu_prefill, [B, T, heads, D or F]: the GLA
+        path's rotation is the teacher's on the pairs it keeps (rope_kept_dims) and none on the
+        rest. Plain feature maps run on q's and k's heads side by side, head-major ([B, heads, T,
+        D], returned as transposed views: hybrid_attention_cpu reads any strides), where the
+        rotation and each head's product with W are one pass each over contiguous rows; maps
+        that peft wraps run their forward."""
         cfg = self.config
-        H = q.shape[2]
+        B, T, H, D = q.shape
         cos, sin = position_embeddings
-        qk = torch.cat([q, k], 2)                                              # [B, T, H + Hkv, D]
-        r = rope(qk, cos, sin, cfg.gla_backend)
         if not self._plain_maps():
+            qk = torch.cat([q, k], 2)                                          # [B, T, H + Hkv, D]
+            r = rope(qk, cos, sin, cfg.gla_backend)
             gla_cos, gla_sin = self._gla_rotation(position_embeddings)
             return (r[:, :, :H], r[:, :, H:], self.q_map(q, gla_cos, gla_sin, cfg.gla_backend),
                     self.k_map(k, gla_cos, gla_sin, cfg.gla_backend))
+        x = q.new_empty(B, H + k.shape[2], T, D)
+        x[:, :H] = q.transpose(1, 2)
+        x[:, H:] = k.transpose(1, 2)
+        r = _rope_head_major(x, cos, sin)
         if cfg.use_rope and cfg.rope_max_wavelength:
-            u = torch.where(self._kept_dims(cos) > 0, r, qk)
+            u = torch.where(self._kept_dims(cos) > 0, r, x)
         else:
-            u = r if cfg.use_rope else qk
-        weight = torch.cat([self.q_map.weight, self.k_map.weight]) if cfg.feature_map in LEARNED_MAPS else None
-        phi = feature_map(u, weight=weight, softmax=cfg.feature_map != "identity", backend=cfg.gla_backend,
-                          pm=cfg.feature_map == "hedgehog_pm")
+            u = r if cfg.use_rope else x
+        if cfg.feature_map == "identity":
+            phi = u
+        else:
+            if cfg.feature_map in LEARNED_MAPS:
+                u = torch.matmul(u, torch.cat([self.q_map.weight, self.k_map.weight]).detach().float())
+            if cfg.feature_map == "hedgehog_pm":
+                # both halves, [softmax(x W), softmax(-x W)], in one softmax over [x W, -x W]
+                pair = u.new_empty(*u.shape[:-1], 2, u.shape[-1])
+                pair[..., 0, :] = u
+                torch.neg(u, out=pair[..., 1, :])
+                phi = torch.softmax(pair, -1).flatten(-2)
+            else:
+                phi = torch.softmax(u, -1)
+        r, phi = r.transpose(1, 2), phi.transpose(1, 2)
         return r[:, :, :H], r[:, :, H:], phi[:, :, :H], phi[:, :, H:]
 
     def _plain_maps(self) -> bool:
@@ -838,6 +855,22 @@ def _bare_linear(m) -> bool:
     hooks = nn.modules.module
     return type(m) is nn.Linear and not (m._forward_hooks or m._forward_pre_hooks or hooks._global_forward_hooks
                                          or hooks._global_forward_pre_hooks)
+
+
+def _rope_head_major(x, cos, sin):
+    """apply_rope(x, cos, sin) for x [B, heads, T, D] (cos, sin [B or 1, T, D]) in half-width
+    products and sums: x1 cos1 - x2 sin1 and x2 cos2 + x1 sin2 are what x cos + rotate_half(x)
+    sin rounds to, element by element, in fewer passes and without rotate_half's copy."""
+    half = x.shape[-1] // 2
+    cos, sin = cos[:, None], sin[:, None]
+    x1, x2 = x[..., :half], x[..., half:]
+    out = torch.empty_like(x)
+    o1, o2 = out[..., :half], out[..., half:]
+    torch.mul(x1, cos[..., :half], out=o1)
+    o1.sub_(x2 * sin[..., :half])
+    torch.mul(x2, cos[..., half:], out=o2)
+    o2.add_(x1 * sin[..., half:])
+    return out
 
 
 def sink_rotation(config):
