@@ -1,7 +1,8 @@
-"""Where one decode step's GPU time goes: kernels per step and per layer, and GPU time by kernel,
-for a random model of SmolLM2-135M's shape converted with the GPU recipe's hybrid options, after
-a prompt read into the cache. The step runs eagerly (a CUDA graph replays the same kernels), so
-the kernel count is what a graph replays; the teacher's eager step is profiled beside it.
+"""Where a prompt's read and one decode step spend their time: kernels launched (in all and per
+layer), GPU time by kernel, and wall time, for a random model of SmolLM2-135M's shape converted
+with the GPU recipe's hybrid options, beside its teacher. Wall time well above the kernels' GPU
+time means the host's launches bound the call. The decode step runs eagerly (a CUDA graph
+replays the same kernels, without the host's part).
 
     python benchmarks/profile_decode.py                      # 2K context, batch 1
     python benchmarks/profile_decode.py --context 16384 --batch-size 8 --option 'softmax_layers=[18,20]'
@@ -14,6 +15,7 @@ from __future__ import annotations
 import argparse
 import sys
 import tempfile
+import time
 from collections import defaultdict
 from pathlib import Path
 
@@ -28,26 +30,8 @@ RECIPE = dict(gate="lowrank", feature_map="hedgehog_pm", normalizer=True, use_ro
               gate_init_decay=0.995, window=128, sinks=4, window_mix="shared", decay_horizon=2048)
 
 
-def profile_steps(model, prompt, steps):
-    """(kernel name -> [calls, GPU µs]) over `steps` greedy single-token steps after `prompt`."""
-    from torch.profiler import ProfilerActivity, profile
-
-    from glaswap.models.modeling_glaswap import CACHE_NAME, cache_of
-
-    def step(token, cache):
-        out = model(input_ids=token, **{CACHE_NAME: cache}, use_cache=True)
-        return out.logits[:, -1:].argmax(-1), cache_of(out)
-
-    with torch.no_grad():
-        out = model(input_ids=prompt, use_cache=True, logits_to_keep=1)
-        token, cache = out.logits[:, -1:].argmax(-1), cache_of(out)
-        for _ in range(3):                                       # warm: compile, cuBLAS heuristics
-            token, cache = step(token, cache)
-        torch.cuda.synchronize()
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            for _ in range(steps):
-                token, cache = step(token, cache)
-            torch.cuda.synchronize()
+def _kernels(prof):
+    """kernel name -> [calls, GPU µs] of a torch profile."""
     kernels = defaultdict(lambda: [0, 0.0])
     for e in prof.events():
         if e.device_type == torch.autograd.DeviceType.CUDA:
@@ -57,13 +41,60 @@ def profile_steps(model, prompt, steps):
     return kernels
 
 
-def report(name, kernels, steps, layers, top):
-    calls = sum(c for c, _ in kernels.values()) / steps
-    us = sum(t for _, t in kernels.values()) / steps
-    print(f"\n{name}: {calls:.0f} kernels a step ({calls / layers:.1f} a layer), {us:.0f} µs of GPU time a step")
-    print(f"{'kernel':<90} {'a step':>7} {'µs a step':>10}")
+def profile_model(model, prompt, steps):
+    """({kernel: [calls, µs]} of one prompt read into an empty cache, its wall ms; the same over
+    `steps` greedy single-token steps after it, their wall ms)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from glaswap.models.modeling_glaswap import CACHE_NAME, cache_of
+
+    def read():
+        out = model(input_ids=prompt, use_cache=True, logits_to_keep=1)
+        return out.logits[:, -1:].argmax(-1), cache_of(out)
+
+    def step(token, cache):
+        out = model(input_ids=token, **{CACHE_NAME: cache}, use_cache=True)
+        return out.logits[:, -1:].argmax(-1), cache_of(out)
+
+    def timed(fn):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        out = fn()
+        torch.cuda.synchronize()
+        return out, 1000 * (time.perf_counter() - t0)
+
+    with torch.no_grad():
+        token, cache = read()                                    # warm: compile, cuBLAS heuristics
+        for _ in range(3):
+            token, cache = step(token, cache)
+        del cache
+        _, read_ms = timed(read)                                 # wall time outside the profiler
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            token, cache = read()
+            torch.cuda.synchronize()
+        prompt_kernels = _kernels(prof)
+
+        def run_steps():
+            nonlocal token, cache
+            for _ in range(steps):
+                token, cache = step(token, cache)
+
+        _, steps_ms = timed(run_steps)
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            run_steps()
+            torch.cuda.synchronize()
+    return (prompt_kernels, read_ms), (_kernels(prof), steps_ms / steps)
+
+
+def report(name, kernels, wall_ms, reps, layers, top):
+    calls = sum(c for c, _ in kernels.values()) / reps
+    us = sum(t for _, t in kernels.values()) / reps
+    bound = "the host's launches" if wall_ms > 1.5 * us / 1000 else "the GPU"
+    print(f"\n{name}: {calls:.0f} kernels ({calls / layers:.1f} a layer), {us / 1000:.3f} ms of GPU time, "
+          f"{wall_ms:.3f} ms of wall time: bound by {bound}")
+    print(f"{'kernel':<90} {'calls':>7} {'µs':>10}")
     for k, (c, t) in sorted(kernels.items(), key=lambda kv: -kv[1][1])[:top]:
-        print(f"{k[:90]:<90} {c / steps:>7.1f} {t / steps:>10.1f}")
+        print(f"{k[:90]:<90} {c / reps:>7.1f} {t / reps:>10.1f}")
 
 
 def main():
@@ -87,8 +118,10 @@ def main():
         layers = student.config.num_hidden_layers
         print(f"{torch.cuda.get_device_name()}, bf16, batch {args.batch_size}, context {args.context}, "
               f"options {options}")
-        report("glaswap", profile_steps(student, prompt, args.steps), args.steps, layers, args.top)
-        report("teacher (dynamic KV cache)", profile_steps(teacher, prompt, args.steps), args.steps, layers, args.top)
+        for name, model in (("glaswap", student), ("teacher (dynamic KV cache)", teacher)):
+            (pk, p_ms), (dk, d_ms) = profile_model(model, prompt, args.steps)
+            report(f"{name}, prompt of {args.context} tokens into an empty cache", pk, p_ms, 1, layers, args.top)
+            report(f"{name}, one decode step (eager)", dk, d_ms, args.steps, layers, args.top)
 
 
 if __name__ == "__main__":
