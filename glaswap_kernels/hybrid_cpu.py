@@ -57,11 +57,12 @@ def hybrid_attention_cpu(q_r, q_s, k_r, k_s, v, phi_q, phi_k, g, window, sinks, 
     where k_in, v_in are phi_k and v moved `window` steps later, zero where the source is
     among the first `sinks` tokens (GLAAttention's _enter_state); the state is chunk_gla's.
     q_r, q_s [B, T, H, D]; k_r, v [B, T, Hkv, D]; k_s [B, min(sinks, T), Hkv, D]; phi_q
-    [B, T, H, F]; phi_k, g [B, T, Hkv, F] (g: log-decays, <= 0); logit [H]. scale defaults to
-    1/sqrt(D). Float32 maths. block: tokens per query block C; chunk: per GLA chunk, rounded
+    [B, T, H, F]; phi_k [B, T, Hkv, F]; g [B, T, Hkv, F / R] (log-decays, <= 0): the decays of each
+    of phi's R equal parts, which gate_logsigmoid's repeat would make a copy each; logit [H]. scale
+    defaults to 1/sqrt(D). Float32 maths. block: tokens per query block C; chunk: per GLA chunk, rounded
     down to whole blocks; span: per pass, rounded down to whole chunks."""
     B, T, H, D = q_r.shape
-    Hkv, Fd = k_r.shape[2], phi_q.shape[-1]
+    Hkv, Fd, Dg = k_r.shape[2], phi_q.shape[-1], g.shape[-1]
     W, S = window, sinks
     scale = D ** -0.5 if scale is None else float(scale)
     G = H // Hkv
@@ -74,27 +75,40 @@ def hybrid_attention_cpu(q_r, q_s, k_r, k_s, v, phi_q, phi_k, g, window, sinks, 
                                                      for t in (q_r, q_s, k_r, k_s, v, phi_q, phi_k, g, logit))
 
     P, L = W - 1, C + W - 1
+    # tokens before W see every earlier key, no sink outside their window and an empty state:
+    # their output is causal attention, one call that skips the keys after each query, where
+    # the blocks' windows would score (and mask) W - 1 padding rows in front of each
+    head = min(W // CG * CG, T)
     first = min(W + S, T) // CG * CG                            # the first chunk into which a key enters
     Gc = enter = None
     if T > W + S:
         # log-decays summed within each chunk from `first` on
-        Gc = g.new_zeros(B, Hkv, Tp - first, Fd)
+        Gc = g.new_empty(B, Hkv, Tp - first, Dg)
         Gc[:, :, :T - first] = g[:, first:].transpose(1, 2)
-        Gc = Gc.view(B, Hkv, -1, CG, Fd).cumsum_(3)
+        Gc[:, :, T - first:] = 0
+        Gc = Gc.view(B, Hkv, -1, CG, Dg).cumsum_(3)
         if bool(Gc[:, :, :, -1].amin() < -SAFE_EXP):
             return _by_references(q_r, q_s, k_r, k_s, v, phi_q, phi_k, g, W, S, logit, shared, scale, gla_scale,
                                   eps)
         # what enters the state at step t: phi_k and [v, 1] of token t - W, for t - W >= S
-        enter = phi_k.new_zeros(B, Hkv, Tp - first, Fd + D + 1)
+        enter = phi_k.new_empty(B, Hkv, Tp - first, Fd + D + 1)
+        enter[:, :, :W + S - first] = 0
+        enter[:, :, T - first:] = 0
         rows = enter[:, :, W + S - first:T - first]
         rows[..., :Fd] = phi_k[:, S:T - W].transpose(1, 2)
         rows[..., Fd:Fd + D] = v[:, S:T - W].transpose(1, 2)
         rows[..., Fd + D] = 1
-    # keys and values padded in front by W - 1 rows: block n's window is their rows n C .. n C + L - 1
-    keys = k_r.new_zeros(B, Hkv, P + Tp, D)
-    keys[:, :, P:P + T] = k_r.transpose(1, 2)
-    values = v.new_zeros(B, Hkv, P + Tp, D)
-    values[:, :, P:P + T] = v.transpose(1, 2)
+    # keys and values [B, Hkv, rows, D], token t in row t + pad: the blocks' windows reach back
+    # W - 1 tokens before `head`, and forward to Tp. Read in place where neither needs a row of
+    # zeros, for one row (several would not flatten into the attention's heads without a copy).
+    pad = max(0, P - head)
+    if pad or Tp > T or B > 1:
+        keys = k_r.new_zeros(B, Hkv, pad + Tp, D)
+        keys[:, :, pad:pad + T] = k_r.transpose(1, 2)
+        values = v.new_zeros(B, Hkv, pad + Tp, D)
+        values[:, :, pad:pad + T] = v.transpose(1, 2)
+    else:
+        keys, values = k_r.transpose(1, 2), v.transpose(1, 2)
     ns = k_s.shape[1]
     if S:
         sink_keys = k_r.new_zeros(B, Hkv, 1, D, S)              # sinks beyond T stay zero (masked)
@@ -104,14 +118,19 @@ def hybrid_attention_cpu(q_r, q_s, k_r, k_s, v, phi_q, phi_k, g, window, sinks, 
 
     o = q_r.new_empty(B, Tp, H, D)
     state = q_r.new_zeros(B, Hkv, Fd, D + 1)
-    for a in range(0, Tp, span):
+    if head:
+        o[:, :head] = F.scaled_dot_product_attention(
+            q_r[:, :head].transpose(1, 2), k_r[:, :head].transpose(1, 2), v[:, :head].transpose(1, 2),
+            is_causal=True, scale=scale, enable_gqa=True).transpose(1, 2)
+    for a in range(head, Tp, span) if head < T else ():
         b = min(Tp, a + span)
         n = (b - a) // C                                        # blocks in this span
         # the window: block n's C G query rows against its L keys, an unfolded view of the padded
         # keys (read in place, blocks overlapping) as the heads of one fused attention call
         qb = _blocks(q_r, a, b, C, Hkv).flatten(0, 1)            # [B Hkv, n, C G, D]
-        window_keys = keys[:, :, a:b + P].unfold(2, L, C).transpose(-1, -2).flatten(0, 1)
-        window_values = values[:, :, a:b + P].unfold(2, L, C).transpose(-1, -2).flatten(0, 1)
+        reach = slice(a - P + pad, b + pad)
+        window_keys = keys[:, :, reach].unfold(2, L, C).transpose(-1, -2).flatten(0, 1)
+        window_values = values[:, :, reach].unfold(2, L, C).transpose(-1, -2).flatten(0, 1)
         out, lse = _attention(qb, window_keys, window_values, attn_mask=_window_mask(W, C, G, a // C, n),
                               scale=scale)
         out, lse = out.unflatten(0, (B, Hkv)), lse.unflatten(0, (B, Hkv))
@@ -156,7 +175,7 @@ def hybrid_attention_cpu(q_r, q_s, k_r, k_s, v, phi_q, phi_k, g, window, sinks, 
 
 def _blocks(x, a, b, C, Hkv, factor=None):
     """Rows a .. b - 1 of x [B, T, Hkv G, X] (any strides) as [B, Hkv, blocks, C G, X] float32,
-    times factor [B, Hkv, b - a, 1, X] if given, rows past T zero."""
+    times factor [B, Hkv, b - a, 1, X / R] if given (on each of X's R equal parts), rows past T zero."""
     B, T = x.shape[:2]
     G = x.shape[2] // Hkv
     out = x.new_empty(B, Hkv, (b - a) // C, C, G, x.shape[-1], dtype=torch.float32)
@@ -168,7 +187,9 @@ def _blocks(x, a, b, C, Hkv, factor=None):
     if factor is None:
         rows[:, :, :end - a] = src
     else:
-        torch.mul(src, factor[:, :, :end - a], out=rows[:, :, :end - a])
+        parts = (x.shape[-1] // factor.shape[-1], -1)
+        torch.mul(src.unflatten(-1, parts), factor[:, :, :end - a, :, None],
+                  out=rows[:, :, :end - a].unflatten(-1, parts))
     return out.view(B, Hkv, (b - a) // C, C * G, -1)
 
 
@@ -180,26 +201,30 @@ def _state_part(phi_q, enter, Gc, state, a, b, first, C, CG, Hkv, Fd, D, gla_sca
     G = phi_q.shape[2] // Hkv
     m = (b - a) // CG                                            # chunks
     i, j = (a - first) // CG, (b - first) // CG
-    Gs = Gc[:, :, i:j]                                           # [B, Hkv, m, CG, F]
+    Gs = Gc[:, :, i:j]                                           # [B, Hkv, m, CG, Dg]
+    parts = (Fd // Gs.shape[-1], -1)                             # F's parts, each decaying as Gs
     e = enter.view(B, Hkv, -1, CG, enter.shape[-1])[:, :, i:j]
     k, vv = e[..., :Fd], e[..., Fd:]                             # [B, Hkv, m, CG, F], [.., D + 1]
     # decays from the chunk's start: exp(G) for the queries, exp(-G) for the keys (at most
     # e^SAFE_EXP), exp(G_last - G) = exp(G_last) exp(-G) to the chunk's end
     up = Gs.exp()
-    qe = _blocks(phi_q, a, b, C, Hkv, up.view(B, Hkv, m * CG, 1, Fd)).view(B, Hkv, m, CG * G, Fd)
+    qe = _blocks(phi_q, a, b, C, Hkv, up.view(B, Hkv, m * CG, 1, -1)).view(B, Hkv, m, CG * G, Fd)
     if gla_scale != 1.0:
         qe.mul_(gla_scale)
-    ke = k * up.reciprocal_()
+    ke = (k.unflatten(-1, parts) * up.reciprocal_()[..., None, :]).flatten(-2)
     scores = qe @ ke.transpose(-1, -2)                           # [B, Hkv, m, CG G, CG]
     scores.view(B, Hkv, m, CG, G, CG).masked_fill_(_later(CG), 0.0)
-    decay = Gs[:, :, :, -1:].exp()                               # [B, Hkv, m, 1, F]
-    chunk_kv = ke.mul_(decay).transpose(-1, -2) @ vv             # [.., F, D + 1]
-    decay = decay.transpose(-1, -2)
+    decay = Gs[:, :, :, -1:].exp()                               # [B, Hkv, m, 1, Dg]
+    ke.unflatten(-1, parts).mul_(decay[..., None, :])
+    chunk_kv = ke.transpose(-1, -2) @ vv                         # [.., F, D + 1]
     starts = chunk_kv.new_empty(chunk_kv.shape)
     starts[:, :, 0] = state
+    # per part of F: [B, Hkv, m, R, Dg, D + 1] and its decays [B, Hkv, m, 1, Dg, 1]
+    kv_parts, start_parts = chunk_kv.unflatten(3, parts), starts.unflatten(3, parts)
+    decay = decay.transpose(-1, -2)[:, :, :, None]
     for c in range(1, m):
-        torch.addcmul(chunk_kv[:, :, c - 1], decay[:, :, c - 1], starts[:, :, c - 1], out=starts[:, :, c])
-    torch.addcmul(chunk_kv[:, :, m - 1], decay[:, :, m - 1], starts[:, :, m - 1], out=state)
+        torch.addcmul(kv_parts[:, :, c - 1], decay[:, :, c - 1], start_parts[:, :, c - 1], out=start_parts[:, :, c])
+    torch.addcmul(kv_parts[:, :, m - 1], decay[:, :, m - 1], start_parts[:, :, m - 1], out=state.unflatten(2, parts))
     lin = torch.baddbmm(qe.flatten(0, 2) @ starts.flatten(0, 2), scores.flatten(0, 2), vv.flatten(0, 2))
     return lin.view(B, Hkv, (b - a) // C, C * G, D + 1)
 
@@ -255,6 +280,7 @@ def _later(C):
 def _by_references(q_r, q_s, k_r, k_s, v, phi_q, phi_k, g, W, S, logit, shared, scale, gla_scale, eps):
     """hybrid_attention_cpu's result from the references themselves."""
     B, T = q_r.shape[:2]
+    g = g.repeat(1, 1, 1, phi_q.shape[-1] // g.shape[-1])
     k_sink = None
     if S:
         k_sink = torch.zeros_like(k_r)

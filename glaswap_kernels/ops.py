@@ -113,7 +113,10 @@ def gate_logsigmoid(x, normalizer, repeat=1, shift=0.0, backend="auto"):
     x's dtype), repeated `repeat` times along the last dimension: [..., repeat * D]."""
     if _use_triton(x, backend):
         return fused_gate(x, normalizer, repeat, shift)
-    g = (torch.nn.functional.logsigmoid(x.float()) / normalizer - shift).to(x.dtype)
+    if torch.is_grad_enabled() and x.requires_grad:
+        g = (torch.nn.functional.logsigmoid(x.float()) / normalizer - shift).to(x.dtype)
+    else:       # the same operations in place, sparing two tensors of x's size
+        g = torch.nn.functional.logsigmoid(x.float()).div_(normalizer).sub_(shift).to(x.dtype)
     return torch.cat([g] * repeat, dim=-1) if repeat > 1 else g
 
 

@@ -74,6 +74,21 @@ def test_kernel_matches_the_references(shape, sizes):
             torch.testing.assert_close(state, want_state, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("decay", [0.2, 8.0])
+@pytest.mark.parametrize("shape", [SHAPES[6], SHAPES[8], SHAPES[-1]])
+def test_kernel_takes_one_decay_for_equal_parts(shape, decay):
+    """hedgehog_pm's g once per head dimension, [B, T, Hkv, F / 2]: the result of its repeat over
+    both halves of phi (a strong decay takes the references' path, which repeats it)."""
+    B, T, H, Hkv, D, W, S = shape
+    x = _inputs(B, T, H, Hkv, D, W, S, pm=True, decay=decay)
+    x["g"] = x["g"][..., :D].contiguous()
+    want_o, want_state = _reference(dict(x, g=x["g"].repeat(1, 1, 1, 2)), W, S, True)
+    for sizes in SIZES[:2]:
+        o, state = _kernel(x, W, S, True, **sizes)
+        torch.testing.assert_close(o, want_o, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(state, want_state, rtol=1e-5, atol=1e-6)
+
+
 def test_kernel_scales_and_converts():
     """A scale for the window and one for the state; bfloat16 inputs computed in float32."""
     x = _inputs(1, 40, 4, 2, 16, 6, 2)

@@ -236,9 +236,10 @@ class GLAAttention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         return q, k, v
 
-    def _gate(self, x, k_raw):
+    def _gate(self, x, k_raw, repeat=True):
         """Per-step log-decays g [B, T, Hkv, feature_dim] (<= 0), in x's dtype (hedgehog_pm's
-        two halves share the decay of their head dimension)."""
+        two halves share the decay of their head dimension; without `repeat`, that decay once:
+        [B, T, Hkv, head_dim])."""
         cfg = self.config
         B, T, _ = x.shape
         Hs = self.num_state_heads
@@ -251,7 +252,8 @@ class GLAAttention(nn.Module):
         # logsigmoid(logits) / gate_normalizer in float32, stored in x's dtype; one Triton
         # kernel each way on CUDA (writing both halves for hedgehog_pm).
         return gate_logsigmoid(logits.to(x.dtype), cfg.gate_normalizer,
-                               repeat=2 if cfg.feature_map == "hedgehog_pm" else 1, shift=self._decay_shift(),
+                               repeat=2 if repeat and cfg.feature_map == "hedgehog_pm" else 1,
+                               shift=self._decay_shift(),
                                backend=cfg.gla_backend)
 
     def _decay_shift(self):
@@ -508,9 +510,9 @@ class GLAAttention(nn.Module):
                 return None
         q_r, k_r, phi_q, phi_k = self._rotations_and_maps(q, k, position_embeddings)
         k_s = self._turned(k[:, :S], q_r)
-        o, state = hybrid_attention_cpu(q_r, q, k_r, k_s, v, phi_q, phi_k, self._gate(x, k), W, S, self.window_mix(),
-                                        shared=cfg.window_mix == "shared", scale=self.head_dim ** -0.5,
-                                        eps=cfg.normalizer_eps)
+        o, state = hybrid_attention_cpu(q_r, q, k_r, k_s, v, phi_q, phi_k, self._gate(x, k, repeat=False), W, S,
+                                        self.window_mix(), shared=cfg.window_mix == "shared",
+                                        scale=self.head_dim ** -0.5, eps=cfg.normalizer_eps)
         if cache is not None:
             # the buffers in tensors of their own, not views that would keep the prompt's alive
             own = lambda t: t.clone(memory_format=torch.contiguous_format)     # noqa: E731
@@ -708,7 +710,7 @@ class GLAAttention(nn.Module):
         c.work = rings.work = rings.work or _DecodeWork(self, rings)
         linears = ("q_proj", "k_proj", "v_proj", "o_proj") + \
             {"lowrank": ("gate_down", "gate_up"), "scalar": ("gate_proj",)}.get(c.gate, ())
-        c.direct = not c.qk_norm and all(_bare_linear(getattr(self, n)) for n in linears)
+        c.direct = not c.qk_norm and all(bare_linear(getattr(self, n)) for n in linears)
         if c.direct:
             for n in linears:       # (W^T, bias): what _product multiplies by
                 m = getattr(self, n)
@@ -849,9 +851,10 @@ def _product(x, weight_t, bias, out):
     return torch.mm(x, weight_t, out=out) if bias is None else torch.addmm(bias, x, weight_t, out=out)
 
 
-def _bare_linear(m) -> bool:
+def bare_linear(m) -> bool:
     """Whether m is an nn.Linear as it is, that no hook watches: a decode step may then take its
-    product from the weight directly (a LoRA layer or a hooked module runs its forward)."""
+    product from the weight directly, and its output is a fresh tensor that no one else holds (a
+    LoRA layer or a hooked module runs its forward)."""
     hooks = nn.modules.module
     return type(m) is nn.Linear and not (m._forward_hooks or m._forward_pre_hooks or hooks._global_forward_hooks
                                          or hooks._global_forward_pre_hooks)

@@ -27,7 +27,8 @@ from transformers.activations import ACT2FN
 from transformers.cache_utils import Cache
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
 
-from glaswap.layers.gla_attention import MODES, GLAAttention, RMSNorm, clear_rotation_memo, rope_inv_freq
+from glaswap.layers.gla_attention import (MODES, GLAAttention, RMSNorm, bare_linear, clear_rotation_memo,
+                                          rope_inv_freq)
 from glaswap.layers.softmax_attention import KVBuffer
 from glaswap.models.configuration_glaswap import GLASwapConfig
 from glaswap.models.gla_options import parse_softmax_layers
@@ -253,6 +254,11 @@ class MLP(nn.Module):
         self.silu = config.hidden_act in ("silu", "swish")
 
     def forward(self, x):
+        if self.silu and x.is_cpu and not torch.is_grad_enabled() and bare_linear(self.gate_proj) \
+                and bare_linear(self.up_proj):
+            # the CPU without gradients: in place in gate_proj's fresh output, which no hook sees,
+            # sparing two tensors of the intermediate size that a long prompt would allocate anew
+            return self.down_proj(F.silu(self.gate_proj(x), inplace=True).mul_(self.up_proj(x)))
         if self.silu:       # one kernel on CUDA when no gradient is wanted
             return self.down_proj(silu_mul(self.gate_proj(x), self.up_proj(x)))
         return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
