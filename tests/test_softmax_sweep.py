@@ -67,6 +67,7 @@ def test_a_finished_sweep_is_summarised_without_running_anything(sweep, tmp_path
     out = tmp_path / "sweep"
     _fake_run(out, "n0", [], 0.2, True)
     _fake_run(out, "n2", [18, 20], 0.5, False)
+    _fake_run(out, "last2", [26, 27], 0.4, False)      # as many layers as n2: its memory, not measured again
     (out / "memory").mkdir(parents=True)
     (out / "memory" / "n2-raw.json").write_text(json.dumps({"rows": [
         {"context": 2048, "graph": False, "decoding_peak": 0.30}, {"context": 2048, "graph": True, "decoding_peak": 0.37},
@@ -80,7 +81,7 @@ def test_a_finished_sweep_is_summarised_without_running_anything(sweep, tmp_path
 
     monkeypatch.setattr(sweep.Jobs, "run", no_jobs)
     assert sweep.main(["--out", str(out), "--variant", "n0=none", "--variant", "n2=18,20",
-                       "--filler", "x.txt", "--", "output.tasks="]) == 0
+                       "--variant", "last2=26,27", "--filler", "x.txt", "--", "output.tasks="]) == 0
     summary = json.loads((out / "summary.json").read_text())
     n2 = summary["variants"]["n2"]
     assert n2["passkey"] == {"1024": {"accuracy": 0.5, "key_nats": 3.0}, "2048": {"accuracy": 0.5, "key_nats": 3.0}}
@@ -88,6 +89,7 @@ def test_a_finished_sweep_is_summarised_without_running_anything(sweep, tmp_path
     assert summary["teacher_passkey"]["1024"] == {"accuracy": 0.8, "key_nats": 2.0}
     assert n2["memory"] == [{"context": 2048, "eager_peak_gib": 0.30, "graph_peak_gib": 0.37},
                             {"context": 32768, "eager_peak_gib": 0.61, "graph_peak_gib": 0.59}]
+    assert summary["variants"]["last2"]["memory"] == n2["memory"]
     text = (out / "summary.md").read_text()
     assert "| teacher | all | 12.70 |  |  | 0.80 / 2.0 | 0.80 / 2.0 |" in text
     assert "| n2 | 18,20 | 13.00 | 54.00 | 34.00 | 0.50 / 3.0 | 0.50 / 3.0 |" in text
