@@ -15,7 +15,8 @@ from __future__ import annotations
 
 import torch
 
-from .gla.reference import apply_rope, chunk_gla_torch, decode_step_torch, feature_map_torch, recurrent_gla_torch
+from .gla.reference import (apply_rope, chunk_gla_torch, decode_step_torch, feature_map_torch, recurrent_gla_torch,
+                             softmax_pm)
 from .window.reference import hybrid_decode_torch, window_attention_torch, window_mix_torch, window_over_buffer_torch
 
 try:  # Triton is optional: a saved model must load on machines without it.
@@ -100,11 +101,15 @@ def rms_norm(x, weight, eps=1e-6, backend="auto"):
     return weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)).to(dtype)
 
 
-def silu_mul(a, b, backend="auto"):
-    """The gated MLP's silu(a) * b: one Triton kernel on CUDA where no gradient is wanted."""
+def silu_mul(a, b, overwrite=False, backend="auto"):
+    """The gated MLP's silu(a) * b: one Triton kernel on CUDA where no gradient is wanted.
+    overwrite: a is a fresh tensor that no one else holds, so PyTorch's ops may work in it
+    (sparing two tensors of its size) where no gradient is wanted."""
     wants_grad = torch.is_grad_enabled() and (a.requires_grad or b.requires_grad)
     if not wants_grad and a.shape == b.shape and a.dtype == b.dtype and _use_triton(a, backend):
         return fused_silu_mul(a, b)
+    if overwrite and not wants_grad:
+        return torch.nn.functional.silu(a, inplace=True).mul_(b)
     return torch.nn.functional.silu(a) * b
 
 

@@ -27,7 +27,7 @@ from glaswap.layers.hybrid_cache import (DecodeRings, ExactInputs, HybridBuffers
 from glaswap.layers.softmax_attention import DistanceCap, KVBuffer, cached_softmax_attention, softmax_attention
 from glaswap_kernels.hybrid_cpu import hybrid_attention_cpu
 from glaswap_kernels.ops import (chunk_gla, decode_step, feature_map, gate_logsigmoid, normalize, rms_norm, rope,
-                                 window_attention, window_mix, with_ones)
+                                 softmax_pm, window_attention, window_mix, with_ones)
 
 # The allowed gates and feature maps: gla_options.GLA_OPTIONS.
 LEARNED_MAPS = ("hedgehog", "hedgehog_pm")   # the maps with a per-head matrix W
@@ -552,14 +552,7 @@ class GLAAttention(nn.Module):
         else:
             if cfg.feature_map in LEARNED_MAPS:
                 u = torch.matmul(u, torch.cat([self.q_map.weight, self.k_map.weight]).detach().float())
-            if cfg.feature_map == "hedgehog_pm":
-                # both halves, [softmax(x W), softmax(-x W)], in one softmax over [x W, -x W]
-                pair = u.new_empty(*u.shape[:-1], 2, u.shape[-1])
-                pair[..., 0, :] = u
-                torch.neg(u, out=pair[..., 1, :])
-                phi = torch.softmax(pair, -1).flatten(-2)
-            else:
-                phi = torch.softmax(u, -1)
+            phi = softmax_pm(u) if cfg.feature_map == "hedgehog_pm" else torch.softmax(u, -1)
         r, phi = r.transpose(1, 2), phi.transpose(1, 2)
         return r[:, :, :H], r[:, :, H:], phi[:, :, :H], phi[:, :, H:]
 

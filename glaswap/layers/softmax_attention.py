@@ -331,13 +331,13 @@ def _capped_attention(q, q_far, keys, values, cap, q_pos, k_pos, allowed, scale)
     for a in range(0, T, block):
         b = min(T, a + block)
         n = b - a
-        rows = lambda x: x[:, :, a:b].reshape(B, Hkv, R * n, D)                 # noqa: E731
+        q_near, q_away = (x[:, :, a:b].reshape(B, Hkv, R * n, D) for x in (q, q_far))
         s = torch.empty(B, Hkv, R, n, S, dtype=torch.float32, device=q.device)
         for c in range(0, S, piece):
             e = min(S, c + piece)
             part = keys[:, :, c:e]
-            near = (rows(q) @ part.transpose(-1, -2)).view(B, Hkv, R, n, e - c)
-            far = (rows(q_far) @ cap.unrotate(part, k_pos[:, c:e]).transpose(-1, -2)).view(B, Hkv, R, n, e - c)
+            near = (q_near @ part.transpose(-1, -2)).view(B, Hkv, R, n, e - c)
+            far = (q_away @ cap.unrotate(part, k_pos[:, c:e]).transpose(-1, -2)).view(B, Hkv, R, n, e - c)
             close = (q_pos[:, a:b, None] - k_pos[:, None, c:e]) < cap.distance    # [B, n, e - c]
             s[..., c:e] = torch.where(close[:, None, None], near, far)
         s = (s * scale).masked_fill_(~allowed[:, None, None, a:b], float("-inf"))

@@ -254,13 +254,11 @@ class MLP(nn.Module):
         self.silu = config.hidden_act in ("silu", "swish")
 
     def forward(self, x):
-        if self.silu and x.is_cpu and not torch.is_grad_enabled() and bare_linear(self.gate_proj) \
-                and bare_linear(self.up_proj):
-            # the CPU without gradients: in place in gate_proj's fresh output, which no hook sees,
-            # sparing two tensors of the intermediate size that a long prompt would allocate anew
-            return self.down_proj(F.silu(self.gate_proj(x), inplace=True).mul_(self.up_proj(x)))
         if self.silu:       # one kernel on CUDA when no gradient is wanted
-            return self.down_proj(silu_mul(self.gate_proj(x), self.up_proj(x)))
+            # a bare gate_proj's output is fresh and seen by no hook: the CPU may work in it,
+            # sparing two tensors of the intermediate size that a long prompt would allocate anew
+            return self.down_proj(silu_mul(self.gate_proj(x), self.up_proj(x),
+                                           overwrite=bare_linear(self.gate_proj) and bare_linear(self.up_proj)))
         return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
 
 

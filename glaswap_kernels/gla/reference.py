@@ -180,8 +180,17 @@ def feature_map_torch(x, cos=None, sin=None, weight=None, softmax=True, pm=False
         B, T, H, D = x.shape
         x = torch.matmul(x.permute(2, 0, 1, 3).reshape(H, B * T, D), weight.float()).view(H, B, T, -1) \
             .permute(1, 2, 0, 3)
-    if pm:
-        # both halves in one softmax over [x, -x] side by side: one pass fewer than two softmaxes
-        # and a concatenation, each row's softmax the same
-        return torch.softmax(torch.stack([x, -x], dim=-2), dim=-1).flatten(-2).to(dtype)
-    return torch.softmax(x, dim=-1).to(dtype)
+    return (softmax_pm(x) if pm else torch.softmax(x, dim=-1)).to(dtype)
+
+
+def softmax_pm(x):
+    """[softmax(x), softmax(-x)] over the last dimension, twice as wide (hedgehog_pm's map): both
+    halves in one softmax over x and -x side by side, one pass fewer than two softmaxes and a
+    concatenation, each row's softmax the same."""
+    if torch.is_grad_enabled() and x.requires_grad:
+        pair = torch.stack([x, -x], dim=-2)
+    else:               # written in place, without a tensor for -x
+        pair = x.new_empty(*x.shape[:-1], 2, x.shape[-1])
+        pair[..., 0, :] = x
+        torch.neg(x, out=pair[..., 1, :])
+    return torch.softmax(pair, dim=-1).flatten(-2)
